@@ -1,0 +1,160 @@
+"""Engine configuration: four frozen records, resolved once from user arguments."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("minivllm")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+# Keys HF configs use for the trained context length, in the order transformers reads them.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str
+    tokenizer: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int = 0
+    trust_remote_code: bool = False
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def architecture(self) -> str:
+        return (getattr(self.hf_config, "architectures", None) or ["<none>"])[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = "cpu"
+    enforce_eager: bool = True
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        resolved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        if isinstance(resolved, str):
+            resolved = _DTYPES.get(resolved, torch.float32)
+        resolved = resolved or torch.float32
+        if resolved == torch.float16 and device == "cpu":
+            logger.warning("float16 checkpoint on CPU: running in bfloat16 instead (faster, same range as float32)")
+            resolved = torch.bfloat16
+    elif dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
+    return resolved
+
+
+def derive_max_model_len(hf_config: Any, requested: int | None) -> int:
+    """The context length as transformers reads the config.
+
+    A rope scaling factor never multiplies `max_position_embeddings` here: the
+    checkpoint's `max_position_embeddings` already states the scaled length
+    (vLLM v0.30 fixed exactly this double scaling for YaRN vendor aliases).
+    """
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    lengths = [getattr(text_config, k) for k in _MAX_LEN_KEYS if getattr(text_config, k, None)]
+    derived = min(lengths) if lengths else 2048
+    if requested is None:
+        return derived
+    if requested < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {requested}")
+    if requested > derived:
+        raise ValueError(
+            f"max_model_len={requested} is larger than the model's maximum of {derived} "
+            f"(from its config.json); pass max_model_len <= {derived}"
+        )
+    return requested
+
+
+def read_eos_token_ids(model_dir: str, hf_config: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (hf_config, _generation_config(model_dir)):
+        eos = getattr(source, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return frozenset(ids)
+
+
+def _generation_config(model_dir: str) -> Any:
+    if not os.path.exists(os.path.join(model_dir, "generation_config.json")):
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(model_dir)

@@ -1,0 +1,113 @@
+"""User-facing engine arguments (the `LLM(...)` keywords and `serve` flags), resolved into `EngineConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    derive_max_model_len,
+    read_eos_token_ids,
+    resolve_device,
+    resolve_dtype,
+)
+
+logger = logging.getLogger("minivllm")
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    enable_prefix_caching: bool = True
+    trust_remote_code: bool = False
+    device: str = "auto"
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s): {', '.join(unknown)}; "
+                f"accepted: {', '.join(sorted(names - {'model'}))}"
+            )
+        return cls(model=model, **kwargs)  # type: ignore[arg-type]
+
+    def create_engine_config(self) -> EngineConfig:
+        from transformers import AutoConfig
+
+        model_dir = resolve_model_path(self.model)
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"model {self.model!r} is not a directory with a HF checkpoint")
+        hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
+        from minivllm.models.registry import resolve_model_class
+
+        resolve_model_class(getattr(hf_config, "architectures", None))  # fail early
+        device = resolve_device(self.device)
+        max_model_len = derive_max_model_len(hf_config, self.max_model_len)
+        model = ModelConfig(
+            model=model_dir,
+            tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else model_dir,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=max_model_len,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
+            eos_token_ids=read_eos_token_ids(model_dir, hf_config),
+        )
+        batched = self.max_num_batched_tokens or max(4096, min(max_model_len, 8192))
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching),
+            scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+            device=device,
+            enforce_eager=self.enforce_eager,
+        )
+
+
+def resolve_model_path(name: str) -> str:
+    """A directory, or the name of a bundled demo model (`demo-base`, ...)."""
+    if os.path.isdir(name):
+        return name
+    bundled = os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo_models", name)
+    return bundled if os.path.isdir(bundled) else name
+
+
+def default_kv_cache_bytes(device: str, model_bytes: int) -> int:
+    """A sane share of free memory: a quarter of available RAM on CPU, 90% of free GPU memory minus headroom."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return max(int(free * 0.9) - (1 << 30), 1 << 26)
+    available = _available_host_bytes()
+    return max(available // 4, 1 << 26)
+
+
+def _available_host_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

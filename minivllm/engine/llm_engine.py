@@ -1,0 +1,143 @@
+"""The synchronous engine: add requests, step, collect outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Any
+
+from minivllm.config import EngineConfig
+from minivllm.engine.arg_utils import EngineArgs, default_kv_cache_bytes
+from minivllm.engine.input_processor import InputProcessor, PromptType
+from minivllm.engine.kv_cache_manager import KVCacheManager
+from minivllm.engine.output_processor import (
+    OutputKind,
+    OutputProcessor,
+    ParentRequest,
+    child_request_id,
+)
+from minivllm.engine.request import Request, RequestStatus
+from minivllm.engine.scheduler import Scheduler, SchedulerStats
+from minivllm.outputs import RequestMetrics, RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.worker.executor import InProcessExecutor
+
+logger = logging.getLogger("minivllm")
+
+
+class LLMEngine:
+    """One loop: `step()` = schedule, execute, update. Everything else is bookkeeping around it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        start = time.perf_counter()
+        self.input_processor = InputProcessor(config.model)
+        self.tokenizer = self.input_processor.tokenizer
+        self.executor = InProcessExecutor(config)
+        num_blocks = self._num_kv_blocks()
+        self.executor.allocate_kv_cache(num_blocks)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.startup_seconds = time.perf_counter() - start
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config())
+
+    def _num_kv_blocks(self) -> int:
+        cache = self.config.cache
+        per_block = self.executor.kv_cache_bytes_per_block()
+        budget = cache.kv_cache_memory_bytes or default_kv_cache_bytes(
+            self.config.device, self.executor.model_bytes()
+        )
+        num_blocks = budget // per_block
+        max_len = self.config.scheduler.max_model_len
+        needed = -(-max_len // cache.block_size)
+        if num_blocks < needed:
+            raise ValueError(
+                f"the KV cache budget of {budget} bytes holds {num_blocks * cache.block_size} tokens, "
+                f"fewer than one max_model_len={max_len} sequence; raise kv_cache_memory_bytes "
+                f"to at least {needed * per_block} or lower max_model_len"
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+            num_blocks, cache.block_size, num_blocks * cache.block_size,
+            num_blocks * per_block / 2**20, "set" if cache.kv_cache_memory_bytes else "default share",
+        )
+        return num_blocks
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError/TypeError on bad input."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.input_processor.process(prompt, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        parent = ParentRequest(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
+        child_params = [self._child_params(params, i) for i in range(params.n)]
+        child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        self.output_processor.add_request(parent, child_ids, child_params)
+        eos = self.config.model.eos_token_ids
+        for child_id, child in zip(child_ids, child_params):
+            self.scheduler.add_request(Request(child_id, token_ids, child, eos, arrival, cache_salt))
+        return request_id
+
+    @staticmethod
+    def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+        if params.n == 1:
+            return params
+        child = params.clone()
+        child.n = 1
+        if params.seed is not None:
+            child.seed = params.seed + index  # distinct but reproducible samples
+        return child
+
+    def abort_request(self, request_ids: str | list[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for request_id in ids:
+            child_ids = self.output_processor.child_ids(request_id)
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            output = self.output_processor.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute(scheduler_output)
+        core_outputs = self.scheduler.update(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.parents)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

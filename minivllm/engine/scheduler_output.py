@@ -1,0 +1,64 @@
+"""The frozen data contract between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the runner has no state for: sent in full (also after a preemption)."""
+
+    req_id: str
+    token_ids: list[int]  # prompt + outputs so far
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the runner already tracks: only what changed."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    # req_id -> tokens to compute this step, in batch order.
+    num_scheduled_tokens: dict[str, int]
+    # Requests the runner must forget (finished, aborted or preempted since the last step).
+    removed_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Raw logprobs at one position: the chosen token first, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token, 1 = most likely
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    # req_id -> tokens sampled this step (one, or several under speculative decoding).
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> logprobs of the prompt tokens this step's chunk predicted.
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

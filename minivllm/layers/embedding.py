@@ -1,0 +1,48 @@
+"""Vocabulary-parallel token embedding and LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds a contiguous slice of the vocabulary (the last one zero-padded)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.shard_size = -(-vocab_size // self.tp_size)
+        self.vocab_start = self.tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded.shape)}, "
+                f"expected ({self.vocab_size}, {param.shape[1]})"
+            )
+        shard = loaded[self.vocab_start : self.vocab_start + self.shard_size]
+        param.data[: shard.shape[0]].copy_(shard)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over this rank's vocabulary slice, gathered to the full vocabulary."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,109 @@
+"""From logits to tokens: penalties, temperature, min-p, top-k, top-p, then the draw.
+
+Order follows vLLM: logit bias and min-tokens masking, then penalties; greedy
+rows take the argmax; the others are divided by temperature, filtered by min-p,
+top-k and top-p, and drawn with the exponential race (argmax of p_i / E_i with
+E_i ~ Exp(1), which picks i with probability p_i; the Gumbel-max trick in another
+form). Seeded rows draw E from their own generator, so their tokens do not
+depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling parameters for one step (row = a request that samples)."""
+
+    temperature: torch.Tensor  # [B], 1.0 on greedy rows
+    is_greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [B] int, vocab size where off
+    top_p: torch.Tensor | None = None  # [B]
+    min_p: torch.Tensor | None = None  # [B]
+    generators: dict[int, torch.Generator] = field(default_factory=dict)
+    presence_penalty: torch.Tensor | None = None  # [B]
+    frequency_penalty: torch.Tensor | None = None  # [B]
+    repetition_penalty: torch.Tensor | None = None  # [B]
+    output_token_counts: torch.Tensor | None = None  # [B, V]
+    prompt_token_mask: torch.Tensor | None = None  # [B, V] bool
+    logit_bias: torch.Tensor | None = None  # [B, V]
+    # rows still under min_tokens -> token ids they may not produce yet
+    banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+
+
+class Sampler:
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator  # for rows without a seed
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        logits = logits.float()
+        logits = self._apply_biases(logits, meta)
+        logits = apply_penalties(logits, meta)
+        greedy = logits.argmax(dim=-1)
+        if meta.all_greedy:
+            return greedy
+        logits = logits / meta.temperature.unsqueeze(1)
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        sampled = self._draw(logits.softmax(dim=-1), meta.generators)
+        return torch.where(meta.is_greedy, greedy, sampled)
+
+    def _apply_biases(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if meta.logit_bias is not None:
+            logits = logits + meta.logit_bias
+        for row, token_ids in meta.banned_token_ids.items():
+            logits[row, token_ids] = float("-inf")
+        return logits
+
+    def _draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        if len(generators) < probs.shape[0]:
+            noise.exponential_(generator=self.generator)
+        for row, gen in generators.items():
+            noise[row].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt and output tokens; divide positive logits, multiply negative),
+    then frequency (x count) and presence (x seen) over output tokens, as OpenAI defines them."""
+    if meta.repetition_penalty is not None:
+        seen = meta.prompt_token_mask | (meta.output_token_counts > 0)
+        penalty = meta.repetition_penalty.unsqueeze(1).expand_as(logits)
+        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits = torch.where(seen, scaled, logits)
+    if meta.frequency_penalty is not None:
+        counts = meta.output_token_counts.to(logits.dtype)
+        logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
+        logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the most likely token's."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Keep the k most likely tokens, then the smallest prefix of them whose mass reaches p."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    if top_k is not None:
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        # the first token is always kept
+        sorted_logits = sorted_logits.masked_fill((mass_before >= top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

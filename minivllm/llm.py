@@ -1,0 +1,102 @@
+"""`LLM`: vLLM's offline entry point: a list of prompts in, a list of outputs out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.input_processor import PromptType
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+ChatMessages = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text from a HF checkpoint directory (or a bundled demo model name).
+
+    Keyword arguments are vLLM's: `dtype`, `seed`, `max_model_len`, `max_num_seqs`,
+    `max_num_batched_tokens`, `block_size`, `kv_cache_memory_bytes`,
+    `enable_prefix_caching`, `trust_remote_code`, `device`, `tensor_parallel_size`,
+    `enforce_eager`. Unknown keywords raise `TypeError` naming them.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine_args = EngineArgs.from_kwargs(model, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(self.engine_args)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`; each prompt is a str or `{"prompt_token_ids": [...]}`."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} sampling params for {len(prompts)} prompts; "
+                    "pass one, or one per prompt"
+                )
+        ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                ids.append(self.llm_engine.add_request(None, prompt, params))
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (or `chat_template`) to each conversation and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            ids = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tokenize=True,
+                add_generation_prompt=add_generation_prompt, return_dict=False,
+            )
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        order = {rid: i for i, rid in enumerate(request_ids)}
+        results: list[RequestOutput | None] = [None] * len(request_ids)
+        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        start, num_out_tokens = time.perf_counter(), 0
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished and output.request_id in order:
+                        results[order[output.request_id]] = output
+                        num_out_tokens += sum(len(c.token_ids) for c in output.outputs)
+                        bar.update(1)
+                        bar.set_postfix_str(f"output {num_out_tokens / (time.perf_counter() - start):.1f} tok/s")
+        finally:
+            bar.close()
+        missing = [rid for rid, r in zip(request_ids, results) if r is None]
+        if missing:
+            raise RuntimeError(f"requests {missing} ended without an output")
+        return results  # type: ignore[return-value]

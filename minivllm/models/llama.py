@@ -1,0 +1,145 @@
+"""Llama, and the architectures that share its shape (Mistral, Qwen2)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.attention import Attention
+from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.models.weights import load_weights_strict
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, max_model_len: int, qkv_bias: bool) -> None:
+        super().__init__()
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, qkv_bias
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size,
+            getattr(config, "attention_bias", False),
+        )
+        self.rotary_emb = RotaryEmbedding(
+            head_dim, config.rope_parameters, config.max_position_embeddings, max_model_len
+        )
+        window = getattr(config, "sliding_window", None)
+        if getattr(config, "use_sliding_window", True) is False:
+            window = None
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, window)
+        self.head_dim = head_dim
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.qk_transform(positions, q, k)
+        return self.o_proj(self.attn(q.flatten(1), k.flatten(1), v))
+
+    def qk_transform(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple:
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        return self.rotary_emb(positions, q, k)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias
+        )
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, attention: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = attention
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, max_model_len: int, attention_cls: type, qkv_bias: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention_cls(config, max_model_len, qkv_bias))
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only transformer; `compute_logits` is separate so only sampled rows pay for it."""
+
+    attention_cls: type = LlamaAttention
+    qkv_bias: bool | None = None  # None: read `attention_bias` from the config
+    # checkpoint name -> (our merged parameter, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Any, max_model_len: int) -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = self.qkv_bias
+        if qkv_bias is None:
+            qkv_bias = getattr(config, "attention_bias", False)
+        self.model = LlamaModel(config, max_model_len, self.attention_cls, qkv_bias)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()
+        load_weights_strict(self, weights, self.packed_modules, skip)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True

@@ -1,0 +1,119 @@
+"""`SamplingParams`: vLLM's per-request generation knobs, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's continuation (vLLM's fields, meanings and defaults).
+
+    `temperature=0` means greedy. `logprobs=k` returns the top-k log-probabilities
+    of the model's raw distribution (plus the sampled token) at each step;
+    `prompt_logprobs=k` does the same for every prompt position after the first.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    # Resolved by the engine: EOS ids from the model's generation config.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None or self.top_k == -1:  # vLLM accepts -1 for "off"
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._validate()
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _validate(self) -> None:
+        _check_int("n", self.n, 1, 128)
+        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        _check_range("temperature", self.temperature, 0.0, None)
+        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0, None)
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63), 2**63 - 1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1, None)
+        _check_int("min_tokens", self.min_tokens, 0, self.max_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS)
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
+        for i, t in enumerate(self.stop_token_ids):
+            _check_int(f"stop_token_ids[{i}]", t, 0, None)
+        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for token_id, bias in (self.logit_bias or {}).items():
+            _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def max_stop_str_len(self) -> int:
+        return max((len(s) for s in self.stop), default=0)
+
+    def clone(self) -> SamplingParams:
+        return SamplingParams(**{k: getattr(self, k) for k in _INIT_FIELDS})
+
+
+_INIT_FIELDS = [f for f in SamplingParams.__dataclass_fields__ if f != "all_stop_token_ids"]
+
+
+def _check_int(name: str, value: object, low: int | None, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    _check_range(name, value, low, high)
+
+
+def _check_range(
+    name: str, value: object, low: float | None, high: float | None, low_open: bool = False
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    too_low = low is not None and (value <= low if low_open else value < low)
+    too_high = high is not None and value > high
+    if too_low or too_high or value != value:  # value != value catches NaN
+        left = "(" if low_open else "["
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ValueError(f"{name} must be in {left}{lo}, {hi}], got {value!r}")

@@ -1,0 +1,132 @@
+"""Shared fixtures: a small byte-level BPE tokenizer and tiny random HF checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    initializer_range=0.1, rms_norm_eps=1e-6,
+)
+ARCH_CONFIGS = {
+    "LlamaForCausalLM": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "MistralForCausalLM": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None)),
+    "Qwen2ForCausalLM": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "Qwen3ForCausalLM": ("Qwen3Config", dict(tie_word_embeddings=True, head_dim=32)),
+}
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for name in ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "shlex.py", "difflib.py"):
+        path = stdlib / name
+        if path.exists():
+            texts.append(path.read_text(encoding="utf-8", errors="ignore"))
+    return texts
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=500, special_tokens=SPECIALS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    out = tmp_path_factory.mktemp("tokenizer")
+    hf_tok.save_pretrained(out)
+    return out
+
+
+def build_checkpoint(
+    out: Path, tokenizer_dir: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None, **overrides: object,
+) -> Path:
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config_name, extra = ARCH_CONFIGS[arch]
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    kwargs = {**TINY, **extra, **overrides}
+    config = getattr(transformers, config_name)(
+        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **kwargs
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **save_kwargs)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(
+    tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path
+) -> Callable[..., Path]:
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "Qwen3ForCausalLM", **kwargs: object) -> Path:
+        key = json.dumps([arch, sorted((k, repr(v)) for k, v in kwargs.items())])
+        if key not in cache:
+            out = tmp_path_factory.mktemp(arch.lower())
+            cache[key] = build_checkpoint(out, tokenizer_dir, arch, **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(make_checkpoint: Callable[..., Path]) -> Path:
+    return make_checkpoint("Qwen3ForCausalLM")
+
+
+@pytest.fixture(scope="session")
+def qwen3_llm(qwen3_dir: Path):
+    from minivllm import LLM
+
+    return LLM(str(qwen3_dir), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (one at a time: no padding effects)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: EOS is an ordinary token
+    outs = []
+    for ids in prompts:
+        with torch.no_grad():
+            gen = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+            )
+        outs.append(gen[0, len(ids):].tolist())
+    return outs
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
