@@ -19,7 +19,13 @@ _DTYPES = {
     "half": torch.float16,
 }
 # Keys HF configs use for the trained context length, in the order transformers reads them.
-_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+_MAX_LEN_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+)
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torc
             resolved = _DTYPES.get(resolved, torch.float32)
         resolved = resolved or torch.float32
         if resolved == torch.float16 and device == "cpu":
-            logger.warning("float16 checkpoint on CPU: running in bfloat16 instead (faster, same range as float32)")
+            logger.warning(
+                "float16 checkpoint on CPU: running in bfloat16 instead (faster, same range as float32)"
+            )
             resolved = torch.bfloat16
     elif dtype in _DTYPES:
         resolved = _DTYPES[dtype]

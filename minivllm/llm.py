@@ -75,8 +75,11 @@ class LLM:
         prompts = []
         for conversation in conversations:
             ids = tokenizer.apply_chat_template(
-                conversation, chat_template=chat_template, tokenize=True,
-                add_generation_prompt=add_generation_prompt, return_dict=False,
+                conversation,
+                chat_template=chat_template,
+                tokenize=True,
+                add_generation_prompt=add_generation_prompt,
+                return_dict=False,
             )
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -84,7 +87,12 @@ class LLM:
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         order = {rid: i for i, rid in enumerate(request_ids)}
         results: list[RequestOutput | None] = [None] * len(request_ids)
-        bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(
+            total=len(request_ids),
+            desc="Processed prompts",
+            disable=not use_tqdm,
+            dynamic_ncols=True,
+        )
         start, num_out_tokens = time.perf_counter(), 0
         try:
             while self.llm_engine.has_unfinished_requests():
@@ -93,7 +101,9 @@ class LLM:
                         results[order[output.request_id]] = output
                         num_out_tokens += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
-                        bar.set_postfix_str(f"output {num_out_tokens / (time.perf_counter() - start):.1f} tok/s")
+                        bar.set_postfix_str(
+                            f"output {num_out_tokens / (time.perf_counter() - start):.1f} tok/s"
+                        )
         finally:
             bar.close()
         missing = [rid for rid, r in zip(request_ids, results) if r is None]

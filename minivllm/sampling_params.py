@@ -76,7 +76,12 @@ class SamplingParams:
                 raise ValueError(f"stop[{i}] must be a non-empty string, got {s!r}")
         for i, t in enumerate(self.stop_token_ids):
             _check_int(f"stop_token_ids[{i}]", t, 0, None)
-        for name in ("ignore_eos", "detokenize", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in (
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "include_stop_str_in_output",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         for token_id, bias in (self.logit_bias or {}).items():

@@ -18,9 +18,15 @@ CHAT_TEMPLATE = (
 )
 
 TINY = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    initializer_range=0.1, rms_norm_eps=1e-6,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
 )
 ARCH_CONFIGS = {
     "LlamaForCausalLM": ("LlamaConfig", dict(tie_word_embeddings=False)),
@@ -50,7 +56,9 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=500, special_tokens=SPECIALS, show_progress=False,
+        vocab_size=500,
+        special_tokens=SPECIALS,
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer)
@@ -64,8 +72,13 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def build_checkpoint(
-    out: Path, tokenizer_dir: Path, arch: str, seed: int = 0, dtype: torch.dtype = torch.float32,
-    max_shard_size: str | None = None, **overrides: object,
+    out: Path,
+    tokenizer_dir: Path,
+    arch: str,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_shard_size: str | None = None,
+    **overrides: object,
 ) -> Path:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,7 +138,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
             gen = model.generate(
                 torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
             )
-        outs.append(gen[0, len(ids):].tolist())
+        outs.append(gen[0, len(ids) :].tolist())
     return outs
 
 

@@ -77,7 +77,9 @@ class EngineArgs:
         batched = self.max_num_batched_tokens or max(4096, min(max_model_len, 8192))
         return EngineConfig(
             model=model,
-            cache=CacheConfig(self.block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching),
+            cache=CacheConfig(
+                self.block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching
+            ),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len),
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device,

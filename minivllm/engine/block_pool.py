@@ -30,7 +30,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
         self.cached_blocks: dict[bytes, KVBlock] = {}
 
     @property

@@ -25,15 +25,21 @@ class IncrementalDetokenizer:
         self.num_sent_chars = 0
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.backend = backend
-        self.stream = DecodeStream(skip_special_tokens=params.skip_special_tokens) if backend else None
+        self.stream = (
+            DecodeStream(skip_special_tokens=params.skip_special_tokens) if backend else None
+        )
         # While streaming, hold back text that could still become the start of a stop string.
-        self.holdback = 0 if params.include_stop_str_in_output else max(params.max_stop_str_len - 1, 0)
+        self.holdback = (
+            0 if params.include_stop_str_in_output else max(params.max_stop_str_len - 1, 0)
+        )
 
-    def update(self, new_token_ids: list[int], stop_terminated: bool) -> str | None:
+    def update(self, new_token_ids: list[int], stop_terminated: bool, finished: bool) -> str | None:
         """Decode new tokens; return the stop string that ended the text, if one did.
 
         A token that ended the request through `stop_token_ids` is not turned
-        into text unless `include_stop_str_in_output` (vLLM's rule).
+        into text unless `include_stop_str_in_output` (vLLM's rule). When the
+        request ends, bytes still buffered as incomplete UTF-8 are flushed the
+        way `tokenizer.decode` renders them.
         """
         if stop_terminated and not self.params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
@@ -41,14 +47,25 @@ class IncrementalDetokenizer:
         for token_id in new_token_ids:
             self.token_ids.append(token_id)
             self.output_text += self._decode_next(token_id)
+        if finished:
+            self._flush()
         if not self.params.stop or len(self.token_ids) <= self.params.min_tokens:
             return None
         return self._find_stop(old_len)
 
+    def _flush(self) -> None:
+        full = self.tokenizer.decode(
+            self.token_ids, skip_special_tokens=self.params.skip_special_tokens
+        )
+        if full.startswith(self.output_text):
+            self.output_text = full
+
     def _decode_next(self, token_id: int) -> str:
         if self.stream is not None:
             return self.stream.step(self.backend, token_id) or ""
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=self.params.skip_special_tokens)
+        full = self.tokenizer.decode(
+            self.token_ids, skip_special_tokens=self.params.skip_special_tokens
+        )
         if full.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
         piece = full[len(self.output_text) :]
@@ -70,7 +87,9 @@ class IncrementalDetokenizer:
 
     def next_text(self, finished: bool, delta: bool) -> str:
         """The text to report now: all of it, or only what is new since the last call."""
-        visible = len(self.output_text) if finished else max(len(self.output_text) - self.holdback, 0)
+        visible = (
+            len(self.output_text) if finished else max(len(self.output_text) - self.holdback, 0)
+        )
         visible = max(visible, self.num_sent_chars)
         if not delta:
             return self.output_text[:visible]

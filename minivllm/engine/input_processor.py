@@ -52,7 +52,9 @@ class InputProcessor:
         vocab = self.config.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (valid: 0..{vocab - 1})")
+            raise ValueError(
+                f"prompt token id {bad[0]} is out of vocabulary (valid: 0..{vocab - 1})"
+            )
         max_len = self.config.max_model_len
         if len(token_ids) > max_len:
             raise ValueError(
@@ -60,4 +62,6 @@ class InputProcessor:
             )
         for token_id in list(params.stop_token_ids or []) + list((params.logit_bias or {}).keys()):
             if not 0 <= token_id < vocab:
-                raise ValueError(f"token id {token_id} in sampling params is out of vocabulary (0..{vocab - 1})")
+                raise ValueError(
+                    f"token id {token_id} in sampling params is out of vocabulary (0..{vocab - 1})"
+                )

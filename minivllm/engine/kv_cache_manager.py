@@ -64,7 +64,10 @@ class KVCacheManager:
         return blocks, num_computed
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
     ) -> list[KVBlock] | None:
         """Blocks for `num_new_tokens` more tokens, or None if the pool cannot give them.
 

@@ -66,8 +66,11 @@ class LLMEngine:
             )
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
-            num_blocks, cache.block_size, num_blocks * cache.block_size,
-            num_blocks * per_block / 2**20, "set" if cache.kv_cache_memory_bytes else "default share",
+            num_blocks,
+            cache.block_size,
+            num_blocks * cache.block_size,
+            num_blocks * per_block / 2**20,
+            "set" if cache.kv_cache_memory_bytes else "default share",
         )
         return num_blocks
 
@@ -89,13 +92,17 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.input_processor.process(prompt, params)
         arrival = time.time() if arrival_time is None else arrival_time
-        parent = ParentRequest(request_id, text, token_ids, params, output_kind, RequestMetrics(arrival))
+        parent = ParentRequest(
+            request_id, text, token_ids, params, output_kind, RequestMetrics(arrival)
+        )
         child_params = [self._child_params(params, i) for i in range(params.n)]
         child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
         self.output_processor.add_request(parent, child_ids, child_params)
         eos = self.config.model.eos_token_ids
         for child_id, child in zip(child_ids, child_params):
-            self.scheduler.add_request(Request(child_id, token_ids, child, eos, arrival, cache_salt))
+            self.scheduler.add_request(
+                Request(child_id, token_ids, child, eos, arrival, cache_salt)
+            )
         return request_id
 
     @staticmethod

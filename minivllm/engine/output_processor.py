@@ -62,7 +62,9 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
         self.child_to_parent: dict[str, tuple[ParentRequest, int]] = {}
 
-    def add_request(self, parent: ParentRequest, child_ids: list[str], child_params: list[SamplingParams]) -> None:
+    def add_request(
+        self, parent: ParentRequest, child_ids: list[str], child_params: list[SamplingParams]
+    ) -> None:
         self.parents[parent.request_id] = parent
         parent.child_ids = list(child_ids)
         for index, (child_id, params) in enumerate(zip(child_ids, child_params)):
@@ -91,7 +93,9 @@ class OutputProcessor:
         self._forget(parent)
         return output
 
-    def process(self, core_outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
+    def process(
+        self, core_outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
         """Returns user outputs, and the child ids a stop string finished (to free in the core)."""
         now = time.time()
         outputs, stopped = [], []
@@ -110,7 +114,9 @@ class OutputProcessor:
                 self._forget(parent)
         return outputs, stopped
 
-    def _update_child(self, parent: ParentRequest, child: ChildState, out: EngineCoreOutput, now: float) -> bool:
+    def _update_child(
+        self, parent: ParentRequest, child: ChildState, out: EngineCoreOutput, now: float
+    ) -> bool:
         metrics = parent.metrics
         if out.new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -129,7 +135,9 @@ class OutputProcessor:
         hit_stop_string = False
         if child.detokenizer is not None and out.new_token_ids:
             stop_terminated = isinstance(out.stop_reason, int)
-            stop_str = child.detokenizer.update(out.new_token_ids, stop_terminated)
+            stop_str = child.detokenizer.update(
+                out.new_token_ids, stop_terminated, out.finish_reason is not None
+            )
             if stop_str is not None and not stop_terminated:
                 child.finish_reason, child.stop_reason = "stop", stop_str
                 hit_stop_string = out.finish_reason is None
@@ -178,8 +186,13 @@ class OutputProcessor:
         child.num_sent_tokens = len(child.token_ids)
         logprobs = child.logprobs[start:] if child.logprobs is not None else None
         return CompletionOutput(
-            child.index, text, child.token_ids[start:], child.cumulative_logprob, logprobs,
-            child.finish_reason, child.stop_reason,
+            child.index,
+            text,
+            child.token_ids[start:],
+            child.cumulative_logprob,
+            logprobs,
+            child.finish_reason,
+            child.stop_reason,
         )
 
     def _forget(self, parent: ParentRequest) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -85,7 +84,9 @@ class Scheduler:
             budget -= num_new
             cached_reqs.append(
                 CachedRequestData(
-                    request.request_id, [b.block_id for b in new_blocks], request.num_computed_tokens
+                    request.request_id,
+                    [b.block_id for b in new_blocks],
+                    request.num_computed_tokens,
                 )
             )
             i += 1

@@ -47,12 +47,18 @@ class Attention(nn.Module):
         return out.view(-1, self.num_heads * self.head_dim)
 
     def _decode(
-        self, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        meta: AttentionMetadata, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
     ) -> None:
         num = meta.decode_block_tables.shape[0]
         keys = key_cache[meta.decode_block_tables].view(num, -1, self.num_kv_heads, self.head_dim)
-        values = value_cache[meta.decode_block_tables].view(num, -1, self.num_kv_heads, self.head_dim)
+        values = value_cache[meta.decode_block_tables].view(
+            num, -1, self.num_kv_heads, self.head_dim
+        )
         key_pos = torch.arange(keys.shape[1], device=q.device)
         seq_lens = meta.decode_seq_lens.unsqueeze(1)
         mask = key_pos < seq_lens
@@ -60,14 +66,25 @@ class Attention(nn.Module):
             mask &= key_pos >= seq_lens - self.sliding_window
         query = q[meta.decode_token_indices].unsqueeze(2)  # [B, H, 1, D]
         o = F.scaled_dot_product_attention(
-            query, keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True,
+            query,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=self.scale,
+            enable_gqa=True,
         )
         out[meta.decode_token_indices] = o.squeeze(2)
 
     def _prefill(
-        self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        flat_k: torch.Tensor, flat_v: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
+        self,
+        i: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        flat_k: torch.Tensor,
+        flat_v: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
     ) -> None:
         start, end = meta.cu_seqlens_q[i], meta.cu_seqlens_q[i + 1]
         seq_len, query_len = meta.seq_lens[i], end - start
@@ -85,12 +102,19 @@ class Attention(nn.Module):
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True,
+            q[start:end].transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=True,
         )
         out[start:end] = o.transpose(0, 1)
 
-    def _context_slots(self, block_ids: list[int], seq_len: int, device: torch.device) -> torch.Tensor:
+    def _context_slots(
+        self, block_ids: list[int], seq_len: int, device: torch.device
+    ) -> torch.Tensor:
         block_size = self.kv_cache.shape[2]
         blocks = torch.tensor(block_ids, device=device)
         offsets = torch.arange(block_size, device=device)

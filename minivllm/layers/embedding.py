@@ -6,7 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from minivllm.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tp_all_gather,
+    tp_all_reduce,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -21,7 +26,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         if loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
             raise ValueError(
                 f"checkpoint tensor has shape {tuple(loaded.shape)}, "

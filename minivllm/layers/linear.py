@@ -42,7 +42,9 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         _copy_checked(param.data, loaded)
 
 
@@ -56,7 +58,9 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(input_size, divide(output_size, get_tp_size()), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         size = param.shape[0]
         _copy_checked(param.data, loaded.narrow(0, self.tp_rank * size, size))
 
@@ -68,7 +72,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         assert isinstance(shard_id, int)
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
@@ -98,7 +104,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
         super().__init__(hidden_size, output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         if shard_id == "q":
@@ -117,7 +125,9 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__(divide(input_size, get_tp_size()), output_size, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
+    ) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
             _copy_checked(param.data, loaded)
             return
@@ -131,5 +141,7 @@ class RowParallelLinear(LinearBase):
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.shape != src.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
+        )
     dst.copy_(src)

@@ -21,7 +21,9 @@ def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
 
 
-def _yarn(params: dict[str, Any], base: float, dim: int, max_pos: int) -> tuple[torch.Tensor, float]:
+def _yarn(
+    params: dict[str, Any], base: float, dim: int, max_pos: int
+) -> tuple[torch.Tensor, float]:
     original = params["original_max_position_embeddings"]
     factor = params.get("factor") or max_pos / original
 
@@ -31,7 +33,9 @@ def _yarn(params: dict[str, Any], base: float, dim: int, max_pos: int) -> tuple[
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
 
     def correction_dim(num_rotations: float) -> float:
         return dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -54,7 +58,11 @@ def _yarn(params: dict[str, Any], base: float, dim: int, max_pos: int) -> tuple[
 
 def _llama3(params: dict[str, Any], base: float, dim: int) -> torch.Tensor:
     inv_freq = _base_inv_freq(base, dim)
-    factor, low_ff, high_ff = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    factor, low_ff, high_ff = (
+        params["factor"],
+        params["low_freq_factor"],
+        params["high_freq_factor"],
+    )
     old_len = params["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     # Long wavelengths are divided by `factor`, short ones kept, the band between blended.
@@ -72,7 +80,9 @@ def _longrope(
     factor = params.get("factor") or max_pos / original
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
-        attention_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        attention_factor = (
+            1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original))
+        )
     # transformers switches to the long factors once a sequence passes the original
     # length; one fixed choice keeps cached keys consistent, so we choose by max_model_len.
     ext = params["long_factor"] if max_model_len > original else params["short_factor"]
@@ -110,9 +120,13 @@ def compute_inv_freq(
 class RotaryEmbedding(nn.Module):
     """Neox-style rotation (halves rotated) from a precomputed cos/sin cache."""
 
-    def __init__(self, head_dim: int, params: dict[str, Any], max_pos: int, max_model_len: int) -> None:
+    def __init__(
+        self, head_dim: int, params: dict[str, Any], max_pos: int, max_model_len: int
+    ) -> None:
         super().__init__()
-        inv_freq, scale, self.rotary_dim = compute_inv_freq(params, head_dim, max_pos, max_model_len)
+        inv_freq, scale, self.rotary_dim = compute_inv_freq(
+            params, head_dim, max_pos, max_model_len
+        )
         freqs = torch.outer(torch.arange(max_model_len, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)

@@ -105,5 +105,7 @@ def apply_top_k_top_p(
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         # the first token is always kept
-        sorted_logits = sorted_logits.masked_fill((mass_before >= top_p.unsqueeze(1)) & (ranks > 0), float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(
+            (mass_before >= top_p.unsqueeze(1)) & (ranks > 0), float("-inf")
+        )
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

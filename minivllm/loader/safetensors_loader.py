@@ -27,13 +27,19 @@ def checkpoint_files(model_dir: str) -> list[str]:
     if missing:
         raise ValueError(f"checkpoint shard(s) listed in {INDEX_FILE} are missing: {missing}")
     if not files:
-        raise ValueError(f"no .safetensors weights in {model_dir} (only safetensors checkpoints load)")
+        raise ValueError(
+            f"no .safetensors weights in {model_dir} (only safetensors checkpoints load)"
+        )
     return files
 
 
-def iterate_weights(model_dir: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_weights(
+    model_dir: str, show_progress: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     files = checkpoint_files(model_dir)
-    for path in tqdm(files, desc="Loading safetensors shards", disable=not show_progress or len(files) < 2):
+    for path in tqdm(
+        files, desc="Loading safetensors shards", disable=not show_progress or len(files) < 2
+    ):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)

@@ -20,7 +20,9 @@ from minivllm.models.weights import load_weights_strict
 class LlamaAttention(nn.Module):
     def __init__(self, config: Any, max_model_len: int, qkv_bias: bool) -> None:
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, qkv_bias
@@ -28,7 +30,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim, config.hidden_size,
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
             getattr(config, "attention_bias", False),
         )
         self.rotary_emb = RotaryEmbedding(
@@ -87,7 +90,9 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, max_model_len: int, attention_cls: type, qkv_bias: bool) -> None:
+    def __init__(
+        self, config: Any, max_model_len: int, attention_cls: type, qkv_bias: bool
+    ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -111,8 +116,11 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: read `attention_bias` from the config
     # checkpoint name -> (our merged parameter, shard id)
     packed_modules = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, config: Any, max_model_len: int) -> None:

@@ -31,7 +31,9 @@ def load_weights_strict(
         target, shard_id = _map_name(name, packed_modules)
         param = params.get(target)
         if param is None:
-            raise ValueError(f"unexpected weight {name!r} in the checkpoint: the model has no such parameter")
+            raise ValueError(
+                f"unexpected weight {name!r} in the checkpoint: the model has no such parameter"
+            )
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             _copy(param, tensor, name)
@@ -40,7 +42,9 @@ def load_weights_strict(
         loaded.add(name)
     missing = sorted(expected - loaded)
     if missing:
-        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        shown = ", ".join(missing[:5]) + (
+            f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        )
         raise ValueError(f"the checkpoint is missing weights: {shown}")
 
 
@@ -52,7 +56,9 @@ def _map_name(name: str, packed_modules: dict[str, tuple[str, object]]) -> tuple
 
 
 def _expected_sources(
-    params: dict[str, nn.Parameter], packed_modules: dict[str, tuple[str, object]], skip: tuple[str, ...]
+    params: dict[str, nn.Parameter],
+    packed_modules: dict[str, tuple[str, object]],
+    skip: tuple[str, ...],
 ) -> set[str]:
     """The checkpoint names that must appear, derived from our parameter names."""
     expected = set()
@@ -69,5 +75,7 @@ def _expected_sources(
 
 def _copy(param: nn.Parameter, tensor: torch.Tensor, name: str) -> None:
     if param.shape != tensor.shape:
-        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+        )
     param.data.copy_(tensor)

@@ -56,8 +56,13 @@ class ModelRunner:
         """One tensor per layer, allocated once: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
         for layer in self.attention_layers:
             layer.kv_cache = torch.zeros(
-                2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim,
-                dtype=self.config.model.dtype, device=self.device,
+                2,
+                num_blocks,
+                self.block_size,
+                layer.num_kv_heads,
+                layer.head_dim,
+                dtype=self.config.model.dtype,
+                device=self.device,
             )
 
     @torch.inference_mode()
@@ -114,12 +119,20 @@ class ModelRunner:
             logits_indices.extend(rows)
         attn = self._attention_metadata(slots, cu_seqlens_q, seq_lens, block_tables)
         return StepInputs(
-            torch.tensor(token_ids, device=self.device), torch.tensor(positions, device=self.device),
-            attn, sample_req_ids, logits_indices, prompt_logprob_rows,
+            torch.tensor(token_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            attn,
+            sample_req_ids,
+            logits_indices,
+            prompt_logprob_rows,
         )
 
     def _attention_metadata(
-        self, slots: list[int], cu_seqlens_q: list[int], seq_lens: list[int], block_tables: list[list[int]]
+        self,
+        slots: list[int],
+        cu_seqlens_q: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
     ) -> AttentionMetadata:
         num_reqs = len(seq_lens)
         decodes = [i for i in range(num_reqs) if cu_seqlens_q[i + 1] - cu_seqlens_q[i] == 1]
@@ -134,7 +147,9 @@ class ModelRunner:
             block_tables=block_tables,
             decode_req_indices=decodes,
             decode_token_indices=torch.tensor([cu_seqlens_q[i] for i in decodes], device=dev),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev).view(len(decodes), max_blocks),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev).view(
+                len(decodes), max_blocks
+            ),
             decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], device=dev),
             prefill_req_indices=[i for i in range(num_reqs) if i not in decode_set],
         )
@@ -156,7 +171,9 @@ class ModelRunner:
             state.token_ids.append(token_id)
             output.sampled_token_ids[state.req_id] = [token_id]
 
-    def _prompt_logprobs(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _prompt_logprobs(
+        self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput
+    ) -> None:
         for req_id, (first, targets) in inputs.prompt_logprob_rows.items():
             raw = logits[first : first + len(targets)].float().log_softmax(dim=-1)
             k = self.requests[req_id].sampling_params.prompt_logprobs
@@ -171,6 +188,8 @@ def token_logprobs(raw: torch.Tensor, chosen: list[int], ks: list[int]) -> list[
     top_lp, top_ids = raw.topk(max(ks), dim=-1) if max(ks) > 0 else (raw[:, :0], raw[:, :0].long())
     chosen_list, top_lp, top_ids = chosen_lp.squeeze(1).tolist(), top_lp.tolist(), top_ids.tolist()
     return [
-        TokenLogprobs([chosen[r]] + top_ids[r][: ks[r]], [chosen_list[r]] + top_lp[r][: ks[r]], ranks[r])
+        TokenLogprobs(
+            [chosen[r]] + top_ids[r][: ks[r]], [chosen_list[r]] + top_lp[r][: ks[r]], ranks[r]
+        )
         for r in range(len(chosen))
     ]

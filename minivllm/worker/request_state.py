@@ -30,8 +30,14 @@ class CachedRequestState:
             generator = torch.Generator(device=device)
             generator.manual_seed(params.seed)
         return cls(
-            data.req_id, list(data.token_ids), data.num_prompt_tokens, params,
-            list(data.block_ids), data.num_computed_tokens, eos, generator,
+            data.req_id,
+            list(data.token_ids),
+            data.num_prompt_tokens,
+            params,
+            list(data.block_ids),
+            data.num_computed_tokens,
+            eos,
+            generator,
         )
 
     @property
@@ -46,7 +52,9 @@ def build_sampling_metadata(
     params = [s.sampling_params for s in states]
     is_greedy = [p.is_greedy for p in params]
     meta = SamplingMetadata(
-        temperature=_tensor([1.0 if g else p.temperature for p, g in zip(params, is_greedy)], device),
+        temperature=_tensor(
+            [1.0 if g else p.temperature for p, g in zip(params, is_greedy)], device
+        ),
         is_greedy=torch.tensor(is_greedy, device=device),
         all_greedy=all(is_greedy),
     )
