@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from minivllm.utils.random_checkpoint import make_random_checkpoint, train_bpe_tokenizer
 
 TINY = dict(
     vocab_size=512,
@@ -36,38 +31,10 @@ ARCH_CONFIGS = {
 }
 
 
-def _corpus() -> list[str]:
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = []
-    for name in ("textwrap.py", "string.py", "glob.py", "fnmatch.py", "shlex.py", "difflib.py"):
-        path = stdlib / name
-        if path.exists():
-            texts.append(path.read_text(encoding="utf-8", errors="ignore"))
-    return texts
-
-
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=500,
-        special_tokens=SPECIALS,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_corpus(), trainer)
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
-    )
-    hf_tok.chat_template = CHAT_TEMPLATE
     out = tmp_path_factory.mktemp("tokenizer")
-    hf_tok.save_pretrained(out)
+    train_bpe_tokenizer(vocab_size=500).save_pretrained(out)
     return out
 
 
@@ -80,22 +47,13 @@ def build_checkpoint(
     max_shard_size: str | None = None,
     **overrides: object,
 ) -> Path:
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     config_name, extra = ARCH_CONFIGS[arch]
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    kwargs = {**TINY, **extra, **overrides}
-    config = getattr(transformers, config_name)(
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **kwargs
+    return make_random_checkpoint(
+        out, config_name, {**TINY, **extra, **overrides}, tokenizer, dtype, seed, max_shard_size
     )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out, **save_kwargs)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="session")

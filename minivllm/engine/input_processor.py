@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any
 
 from minivllm.config import ModelConfig
 from minivllm.sampling_params import SamplingParams
 
-PromptType = Union[str, Mapping[str, Any]]
+PromptType = str | Mapping[str, Any]
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
