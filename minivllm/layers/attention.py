@@ -1,7 +1,9 @@
-"""Attention over the paged KV cache for mixed batches (torch SDPA; runs on CPU and CUDA).
+"""Attention over the paged KV cache for mixed batches (torch ops; runs on CPU and CUDA).
 
-The cache of one layer is `[2, num_blocks, block_size, num_kv_heads, head_dim]`;
-token t lives at flat slot `block_id * block_size + offset`.
+The cache of one layer is head-major, `[2, num_kv_heads, num_blocks, block_size, head_dim]`:
+token t of a request lives at flat slot `block_id * block_size + offset` of every
+head. Gathering a request's blocks then yields `[heads, tokens, head_dim]`, the
+layout the matmuls want, with no transpose copies.
 """
 
 from __future__ import annotations
@@ -32,48 +34,44 @@ class Attention(nn.Module):
         """q: [T, H*D], k and v: [T, Hkv*D] -> [T, H*D]."""
         meta = get_attention_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-        flat_k = key_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = value_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        k = k.view(-1, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, T, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        flat_k = self.kv_cache[0].view(self.num_kv_heads, -1, self.head_dim)  # [Hkv, slots, D]
+        flat_v = self.kv_cache[1].view(self.num_kv_heads, -1, self.head_dim)
+        flat_k.index_copy_(1, meta.slot_mapping, k)
+        flat_v.index_copy_(1, meta.slot_mapping, v)
         out = torch.empty_like(q)
         if meta.decode_req_indices:
-            self._decode(q, key_cache, value_cache, meta, out)
+            self._decode(q, meta, out)
         for i in meta.prefill_req_indices:
             self._prefill(i, q, k, v, flat_k, flat_v, meta, out)
         return out.view(-1, self.num_heads * self.head_dim)
 
-    def _decode(
-        self,
-        q: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
+    def _decode(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """All one-token queries at once, over their zero-padded block tables.
+
+        Grouped-query attention as two batched matmuls where each KV head
+        serves `group` query heads; batch dims are (kv head, request).
+        """
         num = meta.decode_block_tables.shape[0]
-        keys = key_cache[meta.decode_block_tables].view(num, -1, self.num_kv_heads, self.head_dim)
-        values = value_cache[meta.decode_block_tables].view(
-            num, -1, self.num_kv_heads, self.head_dim
-        )
-        key_pos = torch.arange(keys.shape[1], device=q.device)
+        shape = (self.num_kv_heads, num, -1, self.head_dim)
+        keys = self.kv_cache[0][:, meta.decode_block_tables].view(shape)  # [Hkv, B, L, D]
+        values = self.kv_cache[1][:, meta.decode_block_tables].view(shape)
+        key_pos = torch.arange(keys.shape[2], device=q.device)
         seq_lens = meta.decode_seq_lens.unsqueeze(1)
-        mask = key_pos < seq_lens
+        mask = key_pos < seq_lens  # [B, L]
         if self.sliding_window is not None:
             mask &= key_pos >= seq_lens - self.sliding_window
-        query = q[meta.decode_token_indices].unsqueeze(2)  # [B, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            query,
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=self.scale,
-            enable_gqa=True,
+        group = self.num_heads // self.num_kv_heads
+        query = q[meta.decode_token_indices].view(num, self.num_kv_heads, group, self.head_dim)
+        query = query.transpose(0, 1)  # [Hkv, B, G, D]
+        scores = torch.matmul(query, keys.transpose(2, 3)).float() * self.scale  # [Hkv, B, G, L]
+        scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1).to(values.dtype)
+        o = torch.matmul(probs, values)  # [Hkv, B, G, D]
+        out[meta.decode_token_indices] = o.transpose(0, 1).reshape(
+            num, self.num_heads, self.head_dim
         )
-        out[meta.decode_token_indices] = o.squeeze(2)
 
     def _prefill(
         self,
@@ -86,14 +84,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         out: torch.Tensor,
     ) -> None:
+        """One request's chunk: causal within the chunk, full view of its cached context."""
         start, end = meta.cu_seqlens_q[i], meta.cu_seqlens_q[i + 1]
         seq_len, query_len = meta.seq_lens[i], end - start
         num_context = seq_len - query_len
         if num_context == 0:
-            keys, values = k[start:end], v[start:end]
+            keys, values = k[:, start:end], v[:, start:end]
         else:
             slots = self._context_slots(meta.block_tables[i], seq_len, flat_k.device)
-            keys, values = flat_k[slots], flat_v[slots]
+            keys, values = flat_k[:, slots], flat_v[:, slots]
         mask = None
         if num_context or self.sliding_window is not None:
             q_pos = torch.arange(num_context, seq_len, device=q.device).unsqueeze(1)
@@ -103,8 +102,8 @@ class Attention(nn.Module):
                 mask &= k_pos > q_pos - self.sliding_window
         o = F.scaled_dot_product_attention(
             q[start:end].transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            keys,
+            values,
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.scale,
@@ -115,7 +114,7 @@ class Attention(nn.Module):
     def _context_slots(
         self, block_ids: list[int], seq_len: int, device: torch.device
     ) -> torch.Tensor:
-        block_size = self.kv_cache.shape[2]
+        block_size = self.kv_cache.shape[3]
         blocks = torch.tensor(block_ids, device=device)
         offsets = torch.arange(block_size, device=device)
         return (blocks.unsqueeze(1) * block_size + offsets).flatten()[:seq_len]

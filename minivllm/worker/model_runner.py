@@ -53,13 +53,13 @@ class ModelRunner:
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor per layer, allocated once: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+        """One tensor per layer, allocated once: [2, num_kv_heads, num_blocks, block_size, head_dim]."""
         for layer in self.attention_layers:
             layer.kv_cache = torch.zeros(
                 2,
+                layer.num_kv_heads,
                 num_blocks,
                 self.block_size,
-                layer.num_kv_heads,
                 layer.head_dim,
                 dtype=self.config.model.dtype,
                 device=self.device,

@@ -1,0 +1,142 @@
+"""Offline throughput: minivllm vs transformers `generate` on the same checkpoint, in one run.
+
+    python benchmarks/throughput.py --make-qwen3-0.6b /tmp/qwen3-0.6b-random   # build once
+    python benchmarks/throughput.py --model /tmp/qwen3-0.6b-random --dtype bfloat16 --threads 2
+
+Prints tokens/s for each engine and their ratio. Prompts are random token ids,
+EOS is ignored, so both engines produce exactly num_requests * output_len tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def run_minivllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    from minivllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.input_len + args.output_len + 16,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    )
+    startup = time.perf_counter() - start
+    params = SamplingParams(
+        temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False
+    )
+    llm.generate(
+        [{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=2), use_tqdm=False
+    )
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    elapsed = time.perf_counter() - start
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {
+        "engine": "minivllm",
+        "seconds": elapsed,
+        "output_tokens": num_out,
+        "startup_s": startup,
+    }
+
+
+def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+    from tqdm.auto import tqdm
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model, dtype=getattr(torch, args.dtype)
+    ).eval()
+    batch = args.hf_batch_size or len(prompts)
+    start = time.perf_counter()
+    num_out = 0
+    for i in tqdm(range(0, len(prompts), batch), desc="transformers batches"):
+        chunk = prompts[i : i + batch]  # equal lengths: no padding needed, left or right
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor(chunk),
+                attention_mask=torch.ones(len(chunk), len(chunk[0]), dtype=torch.long),
+                max_new_tokens=args.output_len,
+                min_new_tokens=args.output_len,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        num_out += (out.shape[1] - len(chunk[0])) * len(chunk)
+    return {
+        "engine": "transformers",
+        "seconds": time.perf_counter() - start,
+        "output_tokens": num_out,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", help="HF checkpoint directory")
+    parser.add_argument(
+        "--make-qwen3-0.6b",
+        dest="make_dir",
+        metavar="DIR",
+        help="build a random-weight checkpoint of Qwen3-0.6B's shape (bf16) in DIR and exit",
+    )
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument(
+        "--hf-batch-size", type=int, default=None, help="transformers batch (default: all)"
+    )
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--output-json", help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.make_dir:
+        from minivllm.utils.random_checkpoint import (
+            QWEN3_0_6B,
+            make_random_checkpoint,
+            train_bpe_tokenizer,
+        )
+
+        tokenizer = train_bpe_tokenizer(vocab_size=1000)
+        make_random_checkpoint(args.make_dir, "Qwen3Config", QWEN3_0_6B, tokenizer, torch.bfloat16)
+        print(f"wrote {args.make_dir}")
+        return
+    if not args.model:
+        parser.error("--model is required (or --make-qwen3-0.6b DIR to build one)")
+    prompts = make_prompts(args.num_requests, args.input_len, 1000, args.seed)
+    results = [run_minivllm(args, prompts)]
+    if not args.skip_transformers:
+        results.append(run_transformers(args, prompts))
+    for r in results:
+        r["output_tok_per_s"] = r["output_tokens"] / r["seconds"]
+        print(
+            f"{r['engine']:>13}: {r['output_tokens']} output tokens in {r['seconds']:.1f} s "
+            f"= {r['output_tok_per_s']:.1f} tok/s"
+        )
+    if len(results) == 2:
+        print(
+            f"ratio minivllm / transformers: {results[0]['output_tok_per_s'] / results[1]['output_tok_per_s']:.2f}x"
+        )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
