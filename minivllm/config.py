@@ -93,6 +93,8 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
     enforce_eager: bool = True
+    # bf16 on CPU: route decode-sized linears through minivllm's AVX512-BF16 kernel.
+    cpu_kernels: bool = True
 
 
 def resolve_device(device: str) -> str:

@@ -40,6 +40,7 @@ class EngineArgs:
     device: str = "auto"
     tensor_parallel_size: int = 1
     enforce_eager: bool = True
+    cpu_kernels: bool = True
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -84,6 +85,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size),
             device=device,
             enforce_eager=self.enforce_eager,
+            cpu_kernels=self.cpu_kernels,
         )
 
 

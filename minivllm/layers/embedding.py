@@ -50,6 +50,14 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over this rank's vocabulary slice, gathered to the full vocabulary."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.linear_method: object | None = None  # a backend with `matmul(x, weight, bias)`
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = tp_all_gather(F.linear(hidden, self.weight), dim=-1)
+        if self.linear_method is None:
+            local = F.linear(hidden, self.weight)
+        else:
+            local = self.linear_method.matmul(hidden, self.weight, None)
+        logits = tp_all_gather(local, dim=-1)
         return logits[..., : self.vocab_size]

@@ -39,11 +39,25 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - start
+        self._select_linear_backend()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, CachedRequestState] = {}
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    def _select_linear_backend(self) -> None:
+        if not (self.config.cpu_kernels and self.device == "cpu"):
+            return
+        if self.config.model.dtype != torch.bfloat16:
+            return
+        from minivllm.kernels import get_cpu_kernels
+        from minivllm.layers.cpu_linear import use_cpu_kernels
+
+        kernels = get_cpu_kernels()
+        if kernels is not None:
+            count = use_cpu_kernels(self.model, kernels)
+            logger.info("bf16 CPU kernels on for %d linear layers", count)
 
     def kv_cache_bytes_per_block(self) -> int:
         dtype_size = torch.empty(0, dtype=self.config.model.dtype).element_size()
