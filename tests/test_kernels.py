@@ -53,3 +53,28 @@ def test_engine_outputs_agree_with_and_without_kernels(qwen3_dir):
         assert len(common) >= 3
         for token in common:
             assert on[token].logprob == pytest.approx(off[token].logprob, abs=0.05)
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_decode_attention_matches_a_reference(window):
+    kernels = get_cpu_kernels()
+    gen = torch.Generator().manual_seed(window)
+    num_kv, group, dim, num_blocks, block_size = 2, 3, 64, 12, 4
+    k_cache = torch.randn(num_kv, num_blocks, block_size, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_kv, num_blocks, block_size, dim, generator=gen).bfloat16()
+    block_tables = torch.tensor([[7, 2, 9, 0], [3, 0, 0, 0], [11, 4, 5, 1]])
+    seq_lens = torch.tensor([11, 2, 16])
+    q = torch.randn(3, num_kv * group, dim, generator=gen).bfloat16()
+    got = kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, 0.125, window)
+    for b in range(3):
+        n = int(seq_lens[b])
+        slots = [
+            int(block_tables[b, t // block_size]) * block_size + t % block_size for t in range(n)
+        ]
+        first = max(0, n - window) if window else 0
+        for h in range(num_kv * group):
+            keys = k_cache[h // group].reshape(-1, dim)[slots[first:]].double()
+            values = v_cache[h // group].reshape(-1, dim)[slots[first:]].double()
+            probs = (0.125 * keys @ q[b, h].double()).softmax(0)
+            torch.testing.assert_close(got[b, h].double(), probs @ values, atol=2e-2, rtol=2e-2)

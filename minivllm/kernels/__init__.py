@@ -31,12 +31,24 @@ def get_cpu_kernels() -> ModuleType | None:
 
     build_dir = os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "kernels")
     os.makedirs(build_dir, exist_ok=True)
-    source = os.path.join(os.path.dirname(__file__), "gemv_bf16.cpp")
+    here = os.path.dirname(__file__)
+    sources = [os.path.join(here, name) for name in ("gemv_bf16.cpp", "paged_attention.cpp")]
     try:
         return load(
             name="minivllm_cpu_kernels",
-            sources=[source],
-            extra_cflags=["-O3", "-march=native", "-mavx512bf16", "-fopenmp"],
+            sources=sources,
+            # explicit ISA flags, not -march=native: a cached build may meet another CPU
+            extra_cflags=[
+                "-O3",
+                "-mavx2",
+                "-mfma",
+                "-mavx512f",
+                "-mavx512bw",
+                "-mavx512vl",
+                "-mavx512bf16",
+                "-fopenmp",
+                "-ffast-math",
+            ],
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,
             verbose=False,

@@ -89,6 +89,11 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   return y;
 }
 
+torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     int64_t window);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "bf16 weight-streaming GEMV (AVX512-BF16)");
+  m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention");
 }

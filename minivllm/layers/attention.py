@@ -8,6 +8,8 @@ layout the matmuls want, with no transpose copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache = torch.empty(0)  # bound by the model runner
+        # Optional fused decode kernel (bf16 CPU), set by the model runner.
+        self.decode_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k and v: [T, Hkv*D] -> [T, H*D]."""
@@ -53,6 +57,17 @@ class Attention(nn.Module):
         Grouped-query attention as two batched matmuls where each KV head
         serves `group` query heads; batch dims are (kv head, request).
         """
+        if self.decode_kernel is not None and q.dtype == torch.bfloat16:
+            out[meta.decode_token_indices] = self.decode_kernel(
+                q[meta.decode_token_indices],
+                self.kv_cache[0],
+                self.kv_cache[1],
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                self.sliding_window or 0,
+            )
+            return
         num = meta.decode_block_tables.shape[0]
         shape = (self.num_kv_heads, num, -1, self.head_dim)
         keys = self.kv_cache[0][:, meta.decode_block_tables].view(shape)  # [Hkv, B, L, D]

@@ -39,14 +39,14 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - start
-        self._select_linear_backend()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self._select_cpu_kernels()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
         self.requests: dict[str, CachedRequestState] = {}
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
 
-    def _select_linear_backend(self) -> None:
+    def _select_cpu_kernels(self) -> None:
         if not (self.config.cpu_kernels and self.device == "cpu"):
             return
         if self.config.model.dtype != torch.bfloat16:
@@ -55,9 +55,13 @@ class ModelRunner:
         from minivllm.layers.cpu_linear import use_cpu_kernels
 
         kernels = get_cpu_kernels()
-        if kernels is not None:
-            count = use_cpu_kernels(self.model, kernels)
-            logger.info("bf16 CPU kernels on for %d linear layers", count)
+        if kernels is None:
+            return
+        count = use_cpu_kernels(self.model, kernels)
+        for layer in self.attention_layers:
+            if layer.head_dim % 32 == 0:
+                layer.decode_kernel = kernels.paged_attention_decode
+        logger.info("bf16 CPU kernels on: %d linear layers, paged decode attention", count)
 
     def kv_cache_bytes_per_block(self) -> int:
         dtype_size = torch.empty(0, dtype=self.config.model.dtype).element_size()
