@@ -78,3 +78,43 @@ def test_paged_decode_attention_matches_a_reference(window):
             values = v_cache[h // group].reshape(-1, dim)[slots[first:]].double()
             probs = (0.125 * keys @ q[b, h].double()).softmax(0)
             torch.testing.assert_close(got[b, h].double(), probs @ values, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_fused_ops_match_the_layers_plain_paths():
+    from minivllm.layers.activation import SiluAndMul
+    from minivllm.layers.layernorm import RMSNorm
+    from minivllm.layers.rotary import RotaryEmbedding
+
+    kernels = get_cpu_kernels()
+    gen = torch.Generator().manual_seed(0)
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:  # within two bf16 ulps
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2 * 2**-8)
+
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96, generator=gen).bfloat16()
+    x = torch.randn(5, 96, generator=gen).bfloat16()
+    res = torch.randn(5, 96, generator=gen).bfloat16()
+    plain = norm(x), norm(x, res.clone())
+    norm.kernels = kernels
+    fused = norm(x), norm(x, res.clone())
+    close(fused[0], plain[0])
+    close(fused[1][0], plain[1][0])
+    close(fused[1][1], plain[1][1])
+
+    act = SiluAndMul()
+    y = torch.randn(3, 2 * 40, generator=gen).bfloat16()
+    plain_act = act(y)
+    act.kernels = kernels
+    close(act(y), plain_act)
+
+    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 10000.0}, 512, 256)
+    qkv = torch.randn(4, (4 + 2 + 2) * 64, generator=gen).bfloat16()
+    positions = torch.tensor([0, 7, 100, 255])
+    q, k = qkv[:, : 4 * 64].view(4, 4, 64), qkv[:, 4 * 64 : 6 * 64].view(4, 2, 64)
+    plain_q, plain_k = rope(positions, q.clone(), k.clone())
+    rope.kernels = kernels
+    fused_q, fused_k = rope(positions, q, k)  # strided views into qkv, rotated in place
+    close(fused_q, plain_q)
+    close(fused_k, plain_k)

@@ -34,7 +34,7 @@ class CpuGemvLinearMethod(UnquantizedLinearMethod):
 
 
 def use_cpu_kernels(model: nn.Module, kernels: ModuleType) -> int:
-    """Switch every linear (and the LM head) of a bf16 CPU model to the kernel backend."""
+    """Switch a bf16 CPU model to the kernels: linears and LM head, norms, rotary, activation."""
     method = CpuGemvLinearMethod(kernels)
     count = 0
     for module in model.modules():
@@ -44,4 +44,6 @@ def use_cpu_kernels(model: nn.Module, kernels: ModuleType) -> int:
         elif hasattr(module, "compute_logits") and hasattr(module, "linear_method"):
             module.linear_method = method
             count += 1
+        elif hasattr(module, "kernels"):
+            module.kernels = kernels
     return count

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from types import ModuleType
+
 import torch
 from torch import nn
 
@@ -131,11 +133,16 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
+        self.kernels: ModuleType | None = None  # fused bf16 CPU ops, set by the model runner
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
+        if self.kernels is not None and q.dtype == torch.bfloat16:
+            for x in (q, k):  # in place; heads of a row are contiguous
+                self.kernels.rotary_inplace(x, positions, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
