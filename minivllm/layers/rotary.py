@@ -9,9 +9,8 @@ frequency-banded scaling, and LongRoPE (Ding et al. 2024, arXiv:2402.13753).
 from __future__ import annotations
 
 import math
-from typing import Any
-
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
