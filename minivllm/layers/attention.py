@@ -83,6 +83,9 @@ class Attention(nn.Module):
         scores = torch.matmul(query, keys.transpose(2, 3)).float() * self.scale  # [Hkv, B, G, L]
         scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
         probs = scores.softmax(dim=-1).to(values.dtype)
+        # Padding slots were never written (the cache is not zeroed): clear them so
+        # whatever bytes they hold cannot turn 0 * value into NaN.
+        values.masked_fill_(~mask[None, :, :, None], 0)
         o = torch.matmul(probs, values)  # [Hkv, B, G, D]
         out[meta.decode_token_indices] = o.transpose(0, 1).reshape(
             num, self.num_heads, self.head_dim

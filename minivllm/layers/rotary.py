@@ -152,3 +152,14 @@ class RotaryEmbedding(nn.Module):
         rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         out = rot * cos + rotated_half * sin
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
+
+
+def get_rope(head_dim: int, params: dict[str, Any], max_pos: int, max_model_len: int) -> RotaryEmbedding:
+    """One shared module per distinct rope setting: its cos/sin tables serve every layer."""
+    key = (head_dim, repr(sorted(params.items())), max_pos, max_model_len, torch.get_default_device())
+    if key not in _ROPE_CACHE:
+        _ROPE_CACHE[key] = RotaryEmbedding(head_dim, params, max_pos, max_model_len)
+    return _ROPE_CACHE[key]

@@ -13,7 +13,7 @@ from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.layers.rotary import get_rope
 from minivllm.models.weights import load_weights_strict
 
 
@@ -34,7 +34,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size,
             getattr(config, "attention_bias", False),
         )
-        self.rotary_emb = RotaryEmbedding(
+        self.rotary_emb = get_rope(
             head_dim, config.rope_parameters, config.max_position_embeddings, max_model_len
         )
         window = getattr(config, "sliding_window", None)

@@ -71,9 +71,13 @@ class ModelRunner:
         )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor per layer, allocated once: [2, num_kv_heads, num_blocks, block_size, head_dim]."""
+        """One tensor per layer, allocated once: [2, num_kv_heads, num_blocks, block_size, head_dim].
+
+        Not zeroed (that alone took seconds for a few GB): attention reads only
+        slots it has written, and masks the padding it gathers.
+        """
         for layer in self.attention_layers:
-            layer.kv_cache = torch.zeros(
+            layer.kv_cache = torch.empty(
                 2,
                 layer.num_kv_heads,
                 num_blocks,
