@@ -148,3 +148,16 @@ def test_dtypes(qwen3_dir):
 def test_too_small_kv_budget_says_what_to_do(qwen3_dir):
     with pytest.raises(ValueError, match="raise kv_cache_memory_bytes"):
         LLM(str(qwen3_dir), kv_cache_memory_bytes=1024, max_model_len=256)
+
+
+def test_auto_dtype_takes_the_checkpoint_dtype(make_checkpoint, caplog):
+    import logging
+
+    bf16_dir = make_checkpoint("Qwen3ForCausalLM", dtype=torch.bfloat16, seed=4)
+    llm = LLM(str(bf16_dir), kv_cache_memory_bytes=4 << 20, max_model_len=64)
+    assert llm.llm_engine.config.model.dtype == torch.bfloat16
+    fp16_dir = make_checkpoint("Qwen3ForCausalLM", dtype=torch.float16, seed=4)
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        llm = LLM(str(fp16_dir), kv_cache_memory_bytes=4 << 20, max_model_len=64, device="cpu")
+    assert llm.llm_engine.config.model.dtype == torch.bfloat16
+    assert "float16 checkpoint on CPU" in caplog.text
