@@ -1,0 +1,315 @@
+"""The `minivllm` command: `minivllm serve MODEL [flags]` (vLLM's flag names where vLLM has one)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import re
+import sys
+from typing import TYPE_CHECKING
+
+from minivllm import __version__
+from minivllm.engine.arg_utils import EngineArgs
+
+if TYPE_CHECKING:
+    from minivllm.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("minivllm")
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_API_KEY_ENV = "MINIVLLM_API_KEY"
+
+
+def byte_size(text: str) -> int:
+    """`4096`, `8M`, `8MiB`, `1.5G`: K/M/G/T are powers of 1024 (as for vLLM's memory flags)."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (try 8388608, 8M or 8MiB)")
+    number, unit = float(match.group(1)), match.group(2).lower()
+    return int(number * 1024 ** " kmgt".index(unit or " "))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags whose `dest` is an `EngineArgs` field; defaults come from `EngineArgs` itself."""
+    d = _ENGINE_DEFAULTS
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--tokenizer", default=d["tokenizer"], help="tokenizer directory (default: the model's)"
+    )
+    model.add_argument(
+        "--dtype",
+        default=d["dtype"],
+        choices=["auto", "float32", "float", "bfloat16", "float16", "half"],
+        help="weight and activation dtype; auto = the checkpoint's (float16 runs as bfloat16 on CPU)",
+    )
+    model.add_argument(
+        "--seed", type=int, default=d["seed"], help="engine random seed (default: %(default)s)"
+    )
+    model.add_argument(
+        "--max-model-len",
+        metavar="TOKENS",
+        type=_positive_int,
+        default=d["max_model_len"],
+        help="context length, prompt plus output (default: the model's)",
+    )
+    model.add_argument(
+        "--trust-remote-code", action="store_true", help="allow custom code from the checkpoint"
+    )
+    model.add_argument(
+        "--device",
+        default=d["device"],
+        choices=["auto", "cpu", "cuda"],
+        help="default: %(default)s",
+    )
+
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument(
+        "--block-size",
+        metavar="TOKENS",
+        type=_positive_int,
+        default=d["block_size"],
+        help="tokens per KV block (default: %(default)s)",
+    )
+    cache.add_argument(
+        "--kv-cache-memory-bytes",
+        metavar="BYTES",
+        type=byte_size,
+        default=d["kv_cache_memory_bytes"],
+        help="KV cache size, e.g. 8MiB or 4G (default: a share of free memory)",
+    )
+    cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=d["enable_prefix_caching"],
+        help="reuse KV blocks of shared prompt prefixes (default: on)",
+    )
+
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument(
+        "--max-num-seqs",
+        metavar="N",
+        type=_positive_int,
+        default=d["max_num_seqs"],
+        help="most sequences in one batch (default: %(default)s)",
+    )
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        metavar="TOKENS",
+        type=_positive_int,
+        default=d["max_num_batched_tokens"],
+        help="token budget of one step (default: max(4096, min(max_model_len, 8192)))",
+    )
+
+    run = parser.add_argument_group("parallelism and execution")
+    run.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        metavar="N",
+        type=_positive_int,
+        default=d["tensor_parallel_size"],
+        help="GPUs to shard the model over (default: %(default)s)",
+    )
+    run.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=d["enforce_eager"],
+        help="run the model eagerly, without graph capture (default: on)",
+    )
+    run.add_argument(
+        "--cpu-kernels",
+        action=argparse.BooleanOptionalAction,
+        default=d["cpu_kernels"],
+        help="bf16 on CPU: use minivllm's fused CPU kernels where they apply (default: on)",
+    )
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    server.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="port to listen on; 0 picks a free one (default: %(default)s)",
+    )
+    server.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+        f"(default: ${_API_KEY_ENV} if set, else no key)",
+    )
+    server.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        nargs="+",
+        default=None,
+        help="name(s) clients use in 'model'; the first is reported (default: the model path)",
+    )
+    server.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template file (or the template itself) instead of the tokenizer's",
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        metavar="BYTES",
+        type=byte_size,
+        default=16 << 20,
+        help="larger request bodies get 413 (default: 16MiB)",
+    )
+    server.add_argument(
+        "--shutdown-timeout",
+        metavar="SECONDS",
+        type=float,
+        default=10.0,
+        help="seconds requests in flight may take to finish after SIGINT/SIGTERM, "
+        "before they are failed (default: %(default)s)",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        metavar="LEVEL",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+        help="uvicorn's log level: critical, error, warning, info, debug or trace (default: %(default)s)",
+    )
+    server.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="do not log one line per HTTP request",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="minivllm",
+        description="minivllm: a compact LLM inference engine with vLLM's interface.",
+    )
+    parser.add_argument("--version", action="version", version=f"minivllm {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+    serve = commands.add_parser(
+        "serve",
+        help="start the OpenAI-compatible HTTP server",
+        description="Start an OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
+        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
+    )
+    serve.add_argument("model", help="a HF checkpoint directory, or a bundled demo model name")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(handler=serve_command)
+    return parser
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        **{name: getattr(args, name) for name in _ENGINE_DEFAULTS if hasattr(args, name)}
+    )
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """A file's contents, or the value itself if it looks like a Jinja template."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    """Claim the port, load the model, serve; returns the exit status (0 after a graceful stop)."""
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.entrypoints.openai.api_server import ServerConfig, bind_socket, run_server
+    from minivllm.metrics import EngineMetrics
+
+    try:
+        engine_args = engine_args_from(args)
+        config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key or os.environ.get(_API_KEY_ENV) or None,
+            served_model_names=tuple(args.served_model_name or (args.model,)),
+            chat_template=read_chat_template(args.chat_template),
+            max_request_body_bytes=args.max_request_body_bytes,
+            shutdown_timeout=args.shutdown_timeout,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+        )
+    except (ValueError, TypeError) as exc:
+        logger.error("%s", exc)
+        return 2
+    try:
+        sock = bind_socket(config.host, config.port)
+    except OSError as exc:
+        logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
+        return 1
+    metrics = EngineMetrics(
+        config.served_model_names[0] if config.served_model_names else args.model
+    )
+    logger.info("minivllm %s: loading %s", __version__, args.model)
+    try:
+        async_llm = AsyncLLM.from_engine_args(engine_args, metrics)
+    except (ValueError, OSError) as exc:
+        logger.error("could not start the engine: %s", exc)
+        sock.close()
+        return 1
+    _log_engine(async_llm)
+    return run_server(async_llm, metrics, config, sock)
+
+
+def _log_engine(async_llm: AsyncLLM) -> None:
+    engine = async_llm.engine
+    config = engine.config
+    pool = engine.kv_cache_manager.pool
+    logger.info(
+        "Model %s (%s), dtype %s, device %s, max_model_len %d, KV cache %d tokens "
+        "(%d blocks of %d), prefix caching %s, loaded in %.1f s",
+        config.model.model,
+        config.model.architecture,
+        str(config.model.dtype).removeprefix("torch."),
+        config.device,
+        config.scheduler.max_model_len,
+        pool.num_blocks * config.cache.block_size,
+        pool.num_blocks,
+        config.cache.block_size,
+        "on" if config.cache.enable_prefix_caching else "off",
+        engine.startup_seconds,
+    )
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s %(levelname)s minivllm: %(message)s", "%H:%M:%S")
+    )
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging()
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:  # Ctrl+C before the server started
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

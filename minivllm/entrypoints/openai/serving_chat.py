@@ -1,0 +1,147 @@
+"""`POST /v1/chat/completions`: messages through the chat template, streamed or whole."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from minivllm.engine.async_llm import RequestStream
+from minivllm.entrypoints.openai.errors import APIError
+from minivllm.entrypoints.openai.protocol import ChatCompletionRequest
+from minivllm.entrypoints.openai.serving_engine import (
+    ENGINE_ERRORS,
+    SSE_DONE,
+    ClientDisconnected,
+    OpenAIServing,
+    close_all,
+    collect,
+    engine_error,
+    finite,
+    new_request_id,
+    sse,
+    sse_error,
+    top_entries,
+    unless_disconnected,
+    usage,
+)
+from minivllm.outputs import CompletionOutput, Logprob
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create(self, raw_request: Request) -> Response:
+        request: ChatCompletionRequest = await self.parse(raw_request, ChatCompletionRequest)
+        model = self.check_model(request.model)
+        prompt_text = self.render(request.messages, request.add_generation_prompt)
+        prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+        max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens, "messages")
+        if request.top_logprobs and not request.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self.sampling_params(request, max_tokens, top_logprobs)
+        request_id = new_request_id("chatcmpl")
+        prompt = {"prompt_token_ids": prompt_ids, "prompt": prompt_text}
+        streams = await self.start([prompt], [params], request_id, request.cache_salt)
+        meta = {"id": request_id, "created": int(time.time()), "model": model}
+        if request.stream:
+            return StreamingResponse(
+                self._stream(request, meta, streams[0]), media_type="text/event-stream"
+            )
+        try:
+            output = await unless_disconnected(raw_request, collect(streams[0]))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except ENGINE_ERRORS as exc:
+            raise engine_error(exc) from None
+        finally:
+            close_all(streams)
+        choices = [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c, top_logprobs) if top_logprobs is not None else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+            for c in output.outputs
+        ]
+        num_completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+        body = {
+            **meta,
+            "object": "chat.completion",
+            "choices": choices,
+            "usage": usage(len(prompt_ids), num_completion_tokens),
+        }
+        return JSONResponse(body)
+
+    async def _stream(
+        self, request: ChatCompletionRequest, meta: dict[str, Any], stream: RequestStream
+    ) -> AsyncIterator[str]:
+        meta = {**meta, "object": "chat.completion.chunk"}
+        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        num_prompt_tokens = num_completion_tokens = 0
+        try:
+            for index in range(request.n):
+                delta = {"role": "assistant", "content": ""}
+                yield sse({**meta, "choices": [_chunk_choice(index, delta, None, None)]})
+            async for output in stream:
+                num_prompt_tokens = len(output.prompt_token_ids)
+                for c in output.outputs:
+                    if not c.token_ids and c.finish_reason is None:
+                        continue
+                    num_completion_tokens += len(c.token_ids)
+                    logprobs = self._logprobs(c, top_logprobs) if top_logprobs is not None else None
+                    if not c.text and logprobs is None and c.finish_reason is None:
+                        continue  # tokens that are not text yet (a partial UTF-8 character)
+                    choice = _chunk_choice(c.index, {"content": c.text}, logprobs, c)
+                    yield sse({**meta, "choices": [choice]})
+            if request.include_usage:
+                yield sse(
+                    {
+                        **meta,
+                        "choices": [],
+                        "usage": usage(num_prompt_tokens, num_completion_tokens),
+                    }
+                )
+        except ENGINE_ERRORS as exc:
+            yield sse_error(exc)
+        finally:
+            stream.close()
+        yield SSE_DONE
+
+    def _logprobs(self, completion: CompletionOutput, k: int) -> dict[str, Any]:
+        content = []
+        for token_id, entry in zip(completion.token_ids, completion.logprobs or []):
+            item = self._token_logprob(token_id, entry[token_id])
+            item["top_logprobs"] = [
+                self._token_logprob(tid, lp) for tid, lp in top_entries(entry, k)
+            ]
+            content.append(item)
+        return {"content": content}
+
+    def _token_logprob(self, token_id: int, logprob: Logprob) -> dict[str, Any]:
+        token = (
+            logprob.decoded_token
+            if logprob.decoded_token is not None
+            else self.decode_token(token_id)
+        )
+        return {
+            "token": token,
+            "logprob": finite(logprob.logprob),
+            "bytes": list(token.encode("utf-8")),
+        }
+
+
+def _chunk_choice(
+    index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None, c: CompletionOutput | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "delta": delta,
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason if c else None,
+        "stop_reason": c.stop_reason if c else None,
+    }

@@ -1,0 +1,144 @@
+"""Every Prometheus collector the server exports, in one place (names follow vLLM's, `minivllm:`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from minivllm.engine.scheduler import SchedulerStats
+from minivllm.outputs import RequestOutput
+
+# Latency buckets in seconds (vLLM's, trimmed): from one fast decode step to a long request.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0)  # fmt: skip
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                40.0, 50.0, 60.0, 120.0, 240.0)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(slots=True)
+class _RequestTiming:
+    """What the metrics remember about one request between its outputs."""
+
+    num_prompt_tokens: int
+    has_first_token: bool = False
+    last_token_time: dict[int, float] = field(default_factory=dict)  # child index -> time
+    finished_children: set[int] = field(default_factory=set)
+
+
+class EngineMetrics:
+    """Collectors for one server, registered in their own `CollectorRegistry`.
+
+    The async engine calls `record_stats` after every step and `record_output`
+    for every output it delivers (including the final one of an aborted request).
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"minivllm:{name}", doc, labels, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"minivllm:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"minivllm:{name}", doc, labels, buckets=buckets, registry=r).labels(
+                model_name
+            )
+
+        self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.")
+        self.num_requests_waiting = gauge(
+            "num_requests_waiting", "Sequences waiting to be scheduled."
+        )
+        self.kv_cache_usage = gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."
+        )
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache."
+        )
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted (KV cache full).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that started.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Arrival to first generated token.", _TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds",
+            "Time between consecutive outputs of one sequence.",
+            _ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Arrival to the request's last output.", _E2E_BUCKETS
+        )
+        success = Counter(
+            "minivllm:request_success",
+            "Finished sequences, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=r,
+        )
+        self.request_success = {
+            reason: success.labels(model_name, reason) for reason in FINISH_REASONS
+        }
+        self._last_stats = SchedulerStats()
+        self._timings: dict[str, _RequestTiming] = {}
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        """Gauges take the engine's current state; counters advance by what changed since last time."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        last = self._last_stats
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
+        self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        self._last_stats = stats
+
+    def record_output(self, output: RequestOutput, now: float | None = None) -> None:
+        """Token counts and latencies from one delta output of a request."""
+        now = time.time() if now is None else now
+        timing = self._timings.get(output.request_id)
+        if timing is None:
+            timing = self._timings[output.request_id] = _RequestTiming(len(output.prompt_token_ids))
+        arrival = output.metrics.arrival_time if output.metrics else now
+        for completion in output.outputs:
+            num_new = len(completion.token_ids)
+            if num_new:
+                self._record_tokens(timing, completion.index, num_new, arrival, now)
+            if (
+                completion.finish_reason is not None
+                and completion.index not in timing.finished_children
+            ):
+                timing.finished_children.add(completion.index)
+                counter = self.request_success.get(completion.finish_reason)
+                if counter is not None:
+                    counter.inc()
+        if output.finished:
+            self.e2e_request_latency.observe(now - arrival)
+            del self._timings[output.request_id]
+
+    def _record_tokens(
+        self, timing: _RequestTiming, index: int, num_new: int, arrival: float, now: float
+    ) -> None:
+        if not timing.has_first_token:
+            timing.has_first_token = True
+            self.prompt_tokens.inc(timing.num_prompt_tokens)
+            self.time_to_first_token.observe(now - arrival)
+        last = timing.last_token_time.get(index)
+        if last is not None:
+            self.inter_token_latency.observe(now - last)
+        timing.last_token_time[index] = now
+        self.generation_tokens.inc(num_new)
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text exposition format."""
+        return generate_latest(self.registry)
