@@ -69,10 +69,9 @@ def greedy_samples(
     max_new_tokens: int = 48,
 ) -> list[str]:
     """Greedy continuations of ``prompts`` (prompt text included)."""
-    model.eval()
     texts = []
     for prompt in prompts:
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         output = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
-        texts.append(tokenizer.decode(output[0], skip_special_tokens=True))
+        texts.append(str(tokenizer.decode(output[0], skip_special_tokens=True)))
     return texts

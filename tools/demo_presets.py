@@ -13,7 +13,6 @@ EOS_TOKEN_ID = 0  # <|endoftext|>
 IM_END_TOKEN_ID = 2  # <|im_end|>
 MAX_POSITIONS = 1024
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-TOKEN_IDS = {"bos_token_id": None, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": EOS_TOKEN_ID}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +52,9 @@ def base_config() -> Qwen3Config:
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         rope_parameters=dict(ROPE),
-        **TOKEN_IDS,
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
     )
 
 
@@ -69,7 +70,9 @@ def draft_config() -> Qwen3Config:
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=True,
         rope_parameters=dict(ROPE),
-        **TOKEN_IDS,
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
     )
 
 
@@ -101,7 +104,9 @@ def sparse_config() -> DeepseekV32Config:
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=False,
         rope_parameters=dict(ROPE),
-        **TOKEN_IDS,
+        bos_token_id=None,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
     )
 
 

@@ -21,11 +21,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
+from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+    DeepseekV32Attention,
+    DeepseekV32Indexer,
+    apply_rotary_pos_emb,
+)
 
 
 def index_logits(
-    indexer: nn.Module,
+    indexer: DeepseekV32Indexer,
     hidden_states: torch.Tensor,
     q_resid: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -63,7 +67,7 @@ class IndexerDistiller:
     """
 
     def __init__(self, model: nn.Module) -> None:
-        self.attentions = [layer.self_attn for layer in model.model.layers]
+        self.attentions = [m for m in model.modules() if isinstance(m, DeepseekV32Attention)]
         self.inputs: dict[int, tuple[torch.Tensor, ...]] = {}
         self.probs: dict[int, torch.Tensor] = {}
         for idx, attn in enumerate(self.attentions):

@@ -38,6 +38,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
@@ -110,7 +111,7 @@ def train_step(
 
 
 def train(
-    model: nn.Module,
+    model: PreTrainedModel,
     preset: DemoPreset,
     train_stream: torch.Tensor,
     eval_windows: torch.Tensor,
@@ -160,11 +161,14 @@ def print_progress(
     )
 
 
-def save_checkpoint(model: nn.Module, preset: DemoPreset, tokenizer_dir: Path, out: Path) -> None:
+def save_checkpoint(
+    model: PreTrainedModel, preset: DemoPreset, tokenizer_dir: Path, out: Path
+) -> None:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     model.to(preset.save_dtype).save_pretrained(out)
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; ship it world-readable
     GenerationConfig(
         eos_token_id=[EOS_TOKEN_ID, IM_END_TOKEN_ID], pad_token_id=EOS_TOKEN_ID, do_sample=False
     ).save_pretrained(out)
@@ -172,7 +176,7 @@ def save_checkpoint(model: nn.Module, preset: DemoPreset, tokenizer_dir: Path, o
         shutil.copy(tokenizer_dir / name, out / name)
 
 
-def load_float32(path: Path) -> nn.Module:
+def load_float32(path: Path) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
