@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,11 +79,73 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism: `tensor_parallel_size` ranks, spread evenly over `nnodes` hosts.
+
+    `distributed_init_method` (`tcp://host:port` of node 0) is where the ranks meet;
+    None means one node, on loopback, at a free port picked at start.
+    """
+
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    distributed_init_method: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        tp = self.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+        if self.nnodes < 1 or tp % self.nnodes:
+            raise ValueError(
+                f"nnodes={self.nnodes} must be >= 1 and divide tensor_parallel_size={tp} "
+                "(every node runs the same number of ranks)"
+            )
+        method = self.distributed_init_method
+        if method is not None and not re.fullmatch(r"tcp://\[?[\w.:-]+\]?:\d+", method):
+            raise ValueError(f"distributed_init_method must be tcp://HOST:PORT, got {method!r}")
+        if self.nnodes > 1 and method is None:
+            raise ValueError(
+                "nnodes > 1 needs the address of node 0: pass distributed_init_method="
+                "'tcp://HOST:PORT' (--distributed-init-method) or set MASTER_ADDR and MASTER_PORT"
+            )
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    def verify(self, hf_config: Any, device: str) -> None:
+        """Refuse, with the reason, a TP size the model or this host cannot be split into."""
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            return
+        text = getattr(hf_config, "text_config", None) or hf_config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        if heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the model's {heads} attention heads; "
+                f"use one of {_divisors(heads)}"
+            )
+        if (kv_heads >= tp and kv_heads % tp) or (kv_heads < tp and tp % kv_heads):
+            raise ValueError(
+                f"tensor_parallel_size={tp} cannot split the model's {kv_heads} KV heads: it must "
+                "divide them, or be a multiple of them (each KV head then lives on several ranks)"
+            )
+        if text.intermediate_size % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the MLP's intermediate size "
+                f"{text.intermediate_size}"
+            )
+        shard = -(-text.vocab_size // tp)
+        if shard * (tp - 1) >= text.vocab_size:
+            raise ValueError(
+                f"tensor_parallel_size={tp} splits the {text.vocab_size}-token vocabulary into "
+                f"slices of {shard}, leaving the last rank none; use fewer ranks"
+            )
+        local, limit, unit = self.ranks_per_node, *_host_limit(device)
+        if local > limit:
+            raise ValueError(
+                f"tensor_parallel_size={tp} over nnodes={self.nnodes} puts {local} ranks on each "
+                f"host, but this host has {limit} {unit}; each rank needs one of its own"
+            )
 
 
 @dataclass(frozen=True)
@@ -95,6 +158,23 @@ class EngineConfig:
     enforce_eager: bool = True
     # bf16 on CPU: route decode-sized linears through minivllm's AVX512-BF16 kernel.
     cpu_kernels: bool = True
+
+    def __post_init__(self) -> None:
+        self.parallel.verify(self.model.hf_config, self.device)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _host_limit(device: str) -> tuple[int, str]:
+    """How many TP ranks one host can give a device of their own: GPUs, or CPU cores."""
+    if device == "cuda":
+        return torch.cuda.device_count(), "CUDA devices"
+    try:
+        return len(os.sched_getaffinity(0)), "CPU cores available to this process"
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1, "CPU cores"
 
 
 def resolve_device(device: str) -> str:

@@ -22,7 +22,8 @@ class LLM:
 
     Keyword arguments are vLLM's: `dtype`, `seed`, `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `block_size`, `kv_cache_memory_bytes`,
-    `enable_prefix_caching`, `trust_remote_code`, `device`, `tensor_parallel_size`,
+    `enable_prefix_caching`, `trust_remote_code`, `device`, `tensor_parallel_size`
+    (with `nnodes` and `distributed_init_method` for several hosts),
     `enforce_eager`. Unknown keywords raise `TypeError` naming them.
     """
 

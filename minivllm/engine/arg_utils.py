@@ -39,6 +39,8 @@ class EngineArgs:
     trust_remote_code: bool = False
     device: str = "auto"
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    distributed_init_method: str | None = None
     enforce_eager: bool = True
     cpu_kernels: bool = True
 
@@ -82,7 +84,11 @@ class EngineArgs:
                 self.block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=ParallelConfig(
+                self.tensor_parallel_size,
+                self.nnodes,
+                resolve_init_method(self.distributed_init_method, self.nnodes),
+            ),
             device=device,
             enforce_eager=self.enforce_eager,
             cpu_kernels=self.cpu_kernels,
@@ -95,6 +101,14 @@ def resolve_model_path(name: str) -> str:
         return name
     bundled = os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo_models", name)
     return bundled if os.path.isdir(bundled) else name
+
+
+def resolve_init_method(init_method: str | None, nnodes: int) -> str | None:
+    """The explicit `tcp://host:port`; with several nodes, else torch's MASTER_ADDR/MASTER_PORT."""
+    if init_method is not None or nnodes == 1:
+        return init_method
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f"tcp://{addr}:{port}" if addr and port else None
 
 
 def default_kv_cache_bytes(device: str, model_bytes: int) -> int:

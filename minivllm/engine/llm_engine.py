@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from minivllm.config import EngineConfig
-from minivllm.engine.arg_utils import EngineArgs, default_kv_cache_bytes
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.input_processor import InputProcessor, PromptType
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.output_processor import (
@@ -21,7 +21,7 @@ from minivllm.engine.request import Request, RequestStatus
 from minivllm.engine.scheduler import Scheduler, SchedulerStats
 from minivllm.outputs import RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.executor import InProcessExecutor
+from minivllm.worker.executor import make_executor
 
 logger = logging.getLogger("minivllm")
 
@@ -34,9 +34,13 @@ class LLMEngine:
         start = time.perf_counter()
         self.input_processor = InputProcessor(config.model)
         self.tokenizer = self.input_processor.tokenizer
-        self.executor = InProcessExecutor(config)
-        num_blocks = self._num_kv_blocks()
-        self.executor.allocate_kv_cache(num_blocks)
+        self.executor = make_executor(config)
+        try:
+            num_blocks = self._num_kv_blocks()
+            self.executor.allocate_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()  # worker processes, if any, must not outlive a failed start
+            raise
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -52,9 +56,7 @@ class LLMEngine:
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
         per_block = self.executor.kv_cache_bytes_per_block()
-        budget = cache.kv_cache_memory_bytes or default_kv_cache_bytes(
-            self.config.device, self.executor.model_bytes()
-        )
+        budget = self.executor.kv_cache_budget_bytes()
         num_blocks = budget // per_block
         max_len = self.config.scheduler.max_model_len
         needed = -(-max_len // cache.block_size)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from minivllm import __version__
 from minivllm.engine.arg_utils import EngineArgs
+from minivllm.entrypoints import worker_cli
 
 if TYPE_CHECKING:
     from minivllm.engine.async_llm import AsyncLLM
@@ -20,6 +21,7 @@ logger = logging.getLogger("minivllm")
 _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _API_KEY_ENV = "MINIVLLM_API_KEY"
+DEFAULT_MODEL = "demo-base"  # bundled, so `minivllm serve` works offline on a fresh machine
 
 
 def byte_size(text: str) -> int:
@@ -206,10 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start an OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
         "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
     )
-    serve.add_argument("model", help="a HF checkpoint directory, or a bundled demo model name")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help="a HF checkpoint directory, or a bundled demo model name "
+        f"(demo-base, demo-draft); default: {DEFAULT_MODEL}",
+    )
     add_server_args(serve)
     add_engine_args(serve)
+    worker_cli.add_multinode_args(serve)
     serve.set_defaults(handler=serve_command)
+    worker_cli.add_parser(commands)
     return parser
 
 
@@ -264,7 +274,7 @@ def serve_command(args: argparse.Namespace) -> int:
     logger.info("minivllm %s: loading %s", __version__, args.model)
     try:
         async_llm = AsyncLLM.from_engine_args(engine_args, metrics)
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, RuntimeError) as exc:  # RuntimeError: a TP worker failed
         logger.error("could not start the engine: %s", exc)
         sock.close()
         return 1

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.distributed.parallel_state import tp_broadcast
 from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from minivllm.layers.attention import Attention
 from minivllm.layers.forward_context import AttentionMetadata, forward_context
@@ -181,7 +182,8 @@ class ModelRunner:
             return
         states = [self.requests[r] for r in inputs.sample_req_ids]
         meta = build_sampling_metadata(states, self.vocab_size, self.device)
-        sampled = self.sampler(logits, meta).tolist()
+        # Rank 0's draw is the one every TP rank continues from (identity with one rank).
+        sampled = tp_broadcast(self.sampler(logits, meta)).tolist()
         want = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
         if want:
             raw = logits[want].float().log_softmax(dim=-1)

@@ -1,0 +1,154 @@
+"""One tensor-parallel rank in its own process: join the group, build a model runner, serve calls.
+
+    driver (LLMEngine)                 rank 0               ranks 1..N-1 (this host or others)
+    MultiprocExecutor ──pipe──► recv (method, args) ──cpu_group broadcast──► same call
+                      ◄─pipe─── rank 0's result      activations meet over device_group
+
+Started as `python -m minivllm.worker FD` by `LocalWorkers`; FD is this
+rank's end of a socket pair to its parent. The first message on it is the
+`WorkerSpec` (plus the engine config, for rank 0); rank 0's config reaches
+every other rank over the cpu group, so a headless node needs no model flags.
+Only rank 0 answers calls; any rank that fails sends `("error", WorkerFailure)`
+to its parent and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+
+from minivllm.config import EngineConfig
+from minivllm.distributed.parallel_state import (
+    all_reduce_min,
+    broadcast_object,
+    destroy_tensor_parallel,
+    get_tp_rank,
+    init_device_group,
+    init_tensor_parallel,
+)
+from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from minivllm.worker.executor import kv_cache_budget_bytes
+from minivllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("minivllm")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    local_rank: int  # index among this host's ranks: its CUDA device
+    ranks_per_node: int
+    init_method: str  # tcp://host:port of node 0
+    num_threads: int
+    log_level: int = logging.WARNING
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailure:
+    """What a failed rank tells its parent: where, when, and the traceback."""
+
+    rank: int
+    pid: int
+    time: float
+    traceback: str
+
+
+class Worker:
+    """A model runner whose collectives reach the other ranks. Methods are the driver's calls."""
+
+    def __init__(self, config: EngineConfig, spec: WorkerSpec) -> None:
+        if config.device == "cuda":
+            torch.cuda.set_device(spec.local_rank)
+        init_device_group(config.device)
+        self.config, self.spec = config, spec
+        self.runner = ModelRunner(config)
+
+    def load_seconds(self) -> float:
+        return self.runner.load_seconds
+
+    def kv_cache_budget_bytes(self) -> int:
+        """This rank's budget; every rank agrees on the smallest (the driver sizes one pool)."""
+        return all_reduce_min(kv_cache_budget_bytes(self.config, self.runner, self._ram_sharers()))
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return self.runner.kv_cache_bytes_per_block()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def _ram_sharers(self) -> int:
+        return self.spec.ranks_per_node if self.config.device == "cpu" else 1
+
+    def serve(self, conn: Connection) -> None:
+        """Run calls until the driver stops (or goes away); rank 0 reads them and relays them."""
+        is_driver_link = get_tp_rank() == 0
+        while True:
+            call = _receive_call(conn) if is_driver_link else None
+            call = broadcast_object(call)
+            if call is None:
+                return
+            method, args = call
+            result = getattr(self, method)(*args)
+            if is_driver_link and not _reply(conn, result):
+                broadcast_object(None)  # the driver went away mid-call: stop every rank
+                return
+
+
+def _receive_call(conn: Connection) -> tuple[str, tuple] | None:
+    try:
+        return conn.recv()
+    except (EOFError, OSError):  # the driver is gone: stop every rank
+        return None
+
+
+def _reply(conn: Connection, result: object) -> bool:
+    try:
+        conn.send(("ok", result))
+    except OSError:
+        return False
+    return True
+
+
+def run_worker(conn: Connection) -> int:
+    """The process body; returns the exit status."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the driver, which stops us
+    spec, config = conn.recv()
+    _setup_logging(spec)
+    try:
+        torch.set_num_threads(spec.num_threads)
+        init_tensor_parallel(spec.rank, spec.world_size, spec.init_method)
+        config = broadcast_object(config)
+        Worker(config, spec).serve(conn)
+    except Exception:  # noqa: BLE001 - every failure goes to the parent, with its traceback
+        text = traceback.format_exc()
+        try:  # the parent reports it (a driver raises it, a headless node logs it)
+            conn.send(("error", WorkerFailure(spec.rank, os.getpid(), time.time(), text)))
+        except OSError:
+            logger.error("rank %d failed:\n%s", spec.rank, text)
+        return 1
+    destroy_tensor_parallel()
+    return 0
+
+
+def _setup_logging(spec: WorkerSpec) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s %(levelname)s minivllm rank {spec.rank}: %(message)s", "%H:%M:%S"
+        )
+    )
+    logger.addHandler(handler)
+    logger.setLevel(spec.log_level)
+    logger.propagate = False
