@@ -32,7 +32,14 @@ def get_cpu_kernels() -> ModuleType | None:
     build_dir = os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "kernels")
     os.makedirs(build_dir, exist_ok=True)
     here = os.path.dirname(__file__)
-    sources = [os.path.join(here, name) for name in ("gemv_bf16.cpp", "paged_attention.cpp", "fused_ops.cpp")]
+    sources = [
+        os.path.join(here, name)
+        for name in ("gemv_bf16.cpp", "paged_attention.cpp", "fused_ops.cpp")
+    ]
+    if not os.path.exists(os.path.join(build_dir, "minivllm_cpu_kernels.so")):
+        logger.info(
+            "compiling minivllm's CPU kernels into %s (first run only, about a minute)", build_dir
+        )
     try:
         return load(
             name="minivllm_cpu_kernels",
