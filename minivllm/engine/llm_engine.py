@@ -66,13 +66,18 @@ class LLMEngine:
                 f"fewer than one max_model_len={max_len} sequence; raise kv_cache_memory_bytes "
                 f"to at least {needed * per_block} or lower max_model_len"
             )
+        # More than max_num_seqs full-length sequences can never be resident at once.
+        useful = self.config.scheduler.max_num_seqs * needed
+        source = "set" if cache.kv_cache_memory_bytes else "default share"
+        if num_blocks > useful:
+            num_blocks, source = useful, f"{source}, capped at max_num_seqs x max_model_len"
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
             num_blocks,
             cache.block_size,
             num_blocks * cache.block_size,
             num_blocks * per_block / 2**20,
-            "set" if cache.kv_cache_memory_bytes else "default share",
+            source,
         )
         return num_blocks
 
