@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from minivllm import __version__
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.entrypoints import worker_cli
+from minivllm.entrypoints.log import setup_logging
 
 if TYPE_CHECKING:
     from minivllm.engine.async_llm import AsyncLLM
@@ -302,19 +303,9 @@ def _log_engine(async_llm: AsyncLLM) -> None:
     )
 
 
-def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s minivllm: %(message)s", "%H:%M:%S")
-    )
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    _setup_logging()
+    setup_logging()
     try:
         return args.handler(args)
     except KeyboardInterrupt:  # Ctrl+C before the server started

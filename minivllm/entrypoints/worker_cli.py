@@ -19,6 +19,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
+from minivllm.entrypoints.log import setup_logging
+
 if TYPE_CHECKING:
     from minivllm.config import ParallelConfig
 
@@ -149,13 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     _add_worker_args(parser)
     args = parser.parse_args(argv)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter("%(asctime)s %(levelname)s minivllm: %(message)s", "%H:%M:%S")
-    )
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+    setup_logging()
     return run(args)
 
 
