@@ -23,6 +23,29 @@ def test_greedy_matches_transformers(make_checkpoint, arch):
     prompts = _prompts(5)
     expected = hf_greedy(model_dir, prompts, max_new_tokens=12)
     llm = LLM(str(model_dir), dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=128)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
+    _check_logprobs_against_transformers(model_dir, prompts, outputs)
+
+
+def _check_logprobs_against_transformers(model_dir, prompts, outputs) -> None:
+    """Every prompt and sampled token's logprob within 1e-4 of transformers' log-softmax."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        full = prompt + completion.token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([full])).logits[0].log_softmax(-1)
+        for pos in range(1, len(full)):
+            token = full[pos]
+            if pos < len(prompt):
+                ours = out.prompt_logprobs[pos][token].logprob
+            else:
+                ours = completion.logprobs[pos - len(prompt)][token].logprob
+            assert abs(ours - ref[pos - 1, token].item()) < 1e-4, (pos, ours)
