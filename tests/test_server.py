@@ -724,3 +724,27 @@ def test_async_llm_step_failure_fails_requests_then_recovers(
 
     assert len(_run_async_llm(engine, body)) == 4
     assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_async_llm_dead_tensor_parallel_worker_is_fatal(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minivllm import SamplingParams
+    from minivllm.engine.async_llm import EngineDeadError
+    from minivllm.worker.local_workers import WorkerError
+
+    def dead_worker_step() -> Any:
+        raise WorkerError("rank 1 (pid 1234) was killed by SIGKILL")
+
+    monkeypatch.setattr(engine, "step", dead_worker_step)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def body(async_llm: Any) -> None:
+        with pytest.raises(EngineDeadError):
+            async for _ in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "a"):
+                pass
+        assert async_llm.dead_error is not None
+        with pytest.raises(EngineDeadError):  # later requests are refused at once
+            await async_llm.add_request({"prompt_token_ids": [5, 6]}, params, "b")
+
+    _run_async_llm(engine, body)

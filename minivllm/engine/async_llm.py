@@ -26,6 +26,7 @@ from minivllm.engine.output_processor import OutputKind
 from minivllm.metrics import EngineMetrics
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.local_workers import WorkerError
 
 logger = logging.getLogger("minivllm")
 
@@ -218,6 +219,8 @@ class AsyncLLM:
             f"the engine failed while running this request ({type(exc).__name__})"
         )
         try:
+            if isinstance(exc, WorkerError):  # a tensor-parallel rank is gone: nothing can run
+                raise exc
             self._abort_all()
             if self.engine.has_unfinished_requests():
                 raise RuntimeError("requests remain after aborting all of them")
