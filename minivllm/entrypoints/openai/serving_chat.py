@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from minivllm.engine.async_llm import RequestStream
 from minivllm.entrypoints.openai.errors import APIError
@@ -16,6 +16,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     ENGINE_ERRORS,
     SSE_DONE,
     ClientDisconnected,
+    EventStreamResponse,
     OpenAIServing,
     close_all,
     collect,
@@ -47,9 +48,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.start([prompt], [params], request_id, request.cache_salt)
         meta = {"id": request_id, "created": int(time.time()), "model": model}
         if request.stream:
-            return StreamingResponse(
-                self._stream(request, meta, streams[0]), media_type="text/event-stream"
-            )
+            return EventStreamResponse(self._stream(request, meta, streams[0]), streams)
         try:
             output = await unless_disconnected(raw_request, collect(streams[0]))
         except ClientDisconnected:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from minivllm.engine.async_llm import RequestStream
 from minivllm.entrypoints.openai.errors import APIError
@@ -17,6 +17,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     ENGINE_ERRORS,
     SSE_DONE,
     ClientDisconnected,
+    EventStreamResponse,
     OpenAIServing,
     close_all,
     collect,
@@ -83,9 +84,7 @@ class OpenAIServingCompletion(OpenAIServing):
             "model": model,
         }
         if request.stream:
-            return StreamingResponse(
-                self._stream(request, meta, prompts, streams), media_type="text/event-stream"
-            )
+            return EventStreamResponse(self._stream(request, meta, prompts, streams), streams)
         try:
             outputs = await unless_disconnected(raw_request, _collect_all(streams))
         except ClientDisconnected:

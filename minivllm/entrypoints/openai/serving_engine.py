@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
 from minivllm.entrypoints.openai.errors import (
@@ -160,6 +161,21 @@ def new_request_id(prefix: str) -> str:
 def close_all(streams: list[RequestStream]) -> None:
     for stream in streams:
         stream.close()
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events that close (abort, if unfinished) their request streams however the
+    response ends: finished, failed, or the client gone, even before the first chunk was made."""
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_all(self.streams)
 
 
 def engine_error(exc: Exception) -> APIError:
