@@ -118,16 +118,17 @@ class Attention(nn.Module):
             mask = k_pos <= q_pos
             if self.sliding_window is not None:
                 mask &= k_pos > q_pos - self.sliding_window
+        # 4-D inputs: with 3-D ones SDPA falls back to its slow unfused math path on CPU
         o = F.scaled_dot_product_attention(
-            q[start:end].transpose(0, 1),
-            keys,
-            values,
+            q[start:end].transpose(0, 1).unsqueeze(0),
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.scale,
             enable_gqa=True,
         )
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
 
     def _context_slots(
         self, block_ids: list[int], seq_len: int, device: torch.device
