@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
 import sys
 import time
-
-import torch
 
 WORKLOADS = ("prefill", "decode", "batch16", "batch64")
 
@@ -59,6 +58,7 @@ def run_minivllm(model: str, reps: int, workloads: list[str]) -> dict:
 
 
 def run_transformers(model: str, reps: int, workloads: list[str]) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16).eval()
@@ -100,6 +100,7 @@ def _workloads(gen, reps: int, workloads: list[str]) -> dict:
 
 
 def hardware_limits(model: str) -> dict:
+    import torch
     from safetensors import safe_open
 
     from minivllm.loader.safetensors_loader import checkpoint_files
@@ -134,6 +135,8 @@ def hardware_limits(model: str) -> dict:
 
 
 def _child(args: argparse.Namespace) -> None:
+    import torch
+
     torch.set_num_threads(args.threads)
     runners = {"minivllm": run_minivllm, "transformers": run_transformers}
     if args.child == "limits":
@@ -158,12 +161,55 @@ def _run_child(name: str, args: argparse.Namespace) -> dict:
         "--workloads",
         *args.workloads,
     ]
+    return _run(name, cmd)
+
+
+def _run(name: str, cmd: list[str], env: dict | None = None) -> dict:
     print(f"running {name} ...", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+        raise RuntimeError(f"{name} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    result = json.loads(lines[-1][len("RESULT ") :])
+    for line in proc.stdout.splitlines():
+        if line.startswith("INFO "):  # versions and settings, kept in the JSON, not in the table
+            print(f"  {name}: {line[5:]}", flush=True)
+            result["info"] = json.loads(line[5:])
+    return result
+
+
+def _anchor_runs(args: argparse.Namespace) -> list[tuple[str, list[str], dict | None]]:
+    """(column, command, env) for the optional llama.cpp / vLLM anchors (benchmarks/anchors/)."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "anchors")
+    common = ["--reps", str(args.reps), "--workloads", *args.workloads]
+    runs: list[tuple[str, list[str], dict | None]] = []
+    for gguf in args.llamacpp_gguf or []:
+        quant = os.path.splitext(os.path.basename(gguf))[0].rsplit("-", 1)[-1]
+        cmd = [args.llamacpp_python, os.path.join(here, "llamacpp_runner.py"), "--gguf", gguf]
+        cmd += ["--threads", str(args.threads), *common]
+        cmd += ["--no-extra-bufts"] if args.llamacpp_no_extra_bufts else []
+        runs.append((f"llama.cpp-{quant}", cmd, None))
+    if args.vllm_python:
+        env = dict(os.environ)
+        venv = os.path.dirname(os.path.dirname(os.path.abspath(args.vllm_python)))
+        preload = [
+            p for p in (TCMALLOC, os.path.join(venv, "lib", "libiomp5.so")) if os.path.exists(p)
+        ]
+        env.setdefault("LD_PRELOAD", ":".join(preload))
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
+        cmd = [
+            args.vllm_python,
+            os.path.join(here, "vllm_runner.py"),
+            "--model",
+            args.model,
+            *common,
+        ]
+        runs.append(("vllm", cmd, env))
+    return runs
+
+
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"  # Debian's libtcmalloc-minimal4
 
 
 def main() -> None:
@@ -176,15 +222,34 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", default=["minivllm", "transformers"])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--json")
+    anchors = parser.add_argument_group("anchors (set up by benchmarks/anchors/setup_anchors.sh)")
+    anchors.add_argument("--llamacpp-python", help="python of the llama-cpp-python venv")
+    anchors.add_argument("--llamacpp-gguf", nargs="+", help="GGUF file(s), one column each")
+    anchors.add_argument(
+        "--llamacpp-no-extra-bufts",
+        action="store_true",
+        help="turn off ggml's AMX/repack weight buffers (llama-bench --repack 0)",
+    )
+    anchors.add_argument("--vllm-python", help="python of the vllm-cpu venv")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args)
         return
+    if bool(args.llamacpp_python) != bool(args.llamacpp_gguf):
+        parser.error("--llamacpp-python and --llamacpp-gguf go together")
     results = {"limits": _run_child("limits", args)}
     for engine in args.engines:
         results[engine] = _run_child(engine, args)
-    _print_table(results, args.engines)
+    columns = list(args.engines)
+    for name, cmd, env in _anchor_runs(args):
+        try:
+            results[name] = _run(name, cmd, env)
+        except RuntimeError as e:  # an anchor failing should not lose the other columns
+            print(e, file=sys.stderr)
+            results[name] = {"error": str(e)[-2000:]}
+        columns.append(name)
+    _print_table(results, columns)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
@@ -199,7 +264,7 @@ def _print_table(results: dict, engines: list[str]) -> None:
     print(
         f"read {limits['read_GBps']:.1f} GB/s, bf16 GEMM {limits['bf16_gemm_TFLOPs']:.2f} TFLOP/s"
     )
-    keys = sorted({k for e in engines for k in results[e]})
+    keys = sorted({k for e in engines for k, v in results[e].items() if isinstance(v, float)})
     header = ["metric", *engines, "roof", *(f"minivllm/{e}" for e in engines if e != "minivllm")]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
