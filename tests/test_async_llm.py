@@ -1,0 +1,126 @@
+"""AsyncLLM in process: batching, idling, and what a failed step does to requests."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture
+def engine(qwen3_dir: Path) -> Any:
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        str(qwen3_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory_bytes=1 << 20
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+def _run_async_llm(engine: Any, body: Any) -> Any:
+    """Run `body(async_llm)` on a fresh AsyncLLM over `engine`, then shut it down."""
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.metrics import EngineMetrics
+
+    async def main() -> Any:
+        async_llm = AsyncLLM(engine, EngineMetrics("test"))
+        async_llm.start()
+        try:
+            return await body(async_llm)
+        finally:
+            await async_llm.shutdown()
+
+    return asyncio.run(main())
+
+
+def test_async_llm_batches_concurrent_requests_and_idles(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minivllm import SamplingParams
+
+    batch_sizes: list[int] = []
+    step = engine.step
+
+    def counting_step() -> Any:
+        batch_sizes.append(engine.stats().num_running + engine.stats().num_waiting)
+        return step()
+
+    monkeypatch.setattr(engine, "step", counting_step)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def body(async_llm: Any) -> list[list[int]]:
+        async def one(i: int) -> list[int]:
+            ids: list[int] = []
+            async for out in async_llm.generate(
+                {"prompt_token_ids": [5 + i, 6, 7]}, params, f"r{i}"
+            ):
+                ids.extend(out.outputs[0].token_ids)
+            return ids
+
+        results = await asyncio.gather(*(one(i) for i in range(8)))
+        num_steps = len(batch_sizes)
+        await asyncio.sleep(0.2)  # idle: the loop waits on its event and does not step
+        assert len(batch_sizes) == num_steps
+        return results
+
+    results = _run_async_llm(engine, body)
+    assert all(len(ids) == 6 for ids in results)
+    assert max(batch_sizes) == 8  # all eight clients shared steps
+    assert not engine.has_unfinished_requests()
+
+
+def test_async_llm_step_failure_fails_requests_then_recovers(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minivllm import SamplingParams
+    from minivllm.engine.async_llm import EngineStepError
+
+    step = engine.step
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def broken_step() -> Any:
+        raise RuntimeError("boom")
+
+    async def body(async_llm: Any) -> list[int]:
+        monkeypatch.setattr(engine, "step", broken_step)
+        with pytest.raises(EngineStepError):
+            async for _ in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "bad"):
+                pass
+        assert not engine.has_unfinished_requests() and async_llm.dead_error is None
+        monkeypatch.setattr(engine, "step", step)
+        ids: list[int] = []
+        async for out in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "good"):
+            ids.extend(out.outputs[0].token_ids)
+        return ids
+
+    assert len(_run_async_llm(engine, body)) == 4
+    assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_async_llm_dead_tensor_parallel_worker_is_fatal(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from minivllm import SamplingParams
+    from minivllm.engine.async_llm import EngineDeadError
+    from minivllm.worker.local_workers import WorkerError
+
+    def dead_worker_step() -> Any:
+        raise WorkerError("rank 1 (pid 1234) was killed by SIGKILL")
+
+    monkeypatch.setattr(engine, "step", dead_worker_step)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def body(async_llm: Any) -> None:
+        with pytest.raises(EngineDeadError):
+            async for _ in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "a"):
+                pass
+        assert async_llm.dead_error is not None
+        with pytest.raises(EngineDeadError):  # later requests are refused at once
+            await async_llm.add_request({"prompt_token_ids": [5, 6]}, params, "b")
+
+    _run_async_llm(engine, body)
