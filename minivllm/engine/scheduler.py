@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minivllm.config import SchedulerConfig
 from minivllm.engine.kv_cache_manager import KVCacheManager
@@ -39,7 +39,6 @@ class SchedulerStats:
     num_preemptions: int = 0  # total since start
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    step_times: list[float] = field(default_factory=list)
 
 
 class Scheduler:

@@ -157,9 +157,17 @@ class RotaryEmbedding(nn.Module):
 _ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
 
 
-def get_rope(head_dim: int, params: dict[str, Any], max_pos: int, max_model_len: int) -> RotaryEmbedding:
+def get_rope(
+    head_dim: int, params: dict[str, Any], max_pos: int, max_model_len: int
+) -> RotaryEmbedding:
     """One shared module per distinct rope setting: its cos/sin tables serve every layer."""
-    key = (head_dim, repr(sorted(params.items())), max_pos, max_model_len, torch.get_default_device())
+    key = (
+        head_dim,
+        repr(sorted(params.items())),
+        max_pos,
+        max_model_len,
+        torch.get_default_device(),
+    )
     if key not in _ROPE_CACHE:
         _ROPE_CACHE[key] = RotaryEmbedding(head_dim, params, max_pos, max_model_len)
     return _ROPE_CACHE[key]

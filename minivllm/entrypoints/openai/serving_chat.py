@@ -25,6 +25,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     new_request_id,
     sse,
     sse_error,
+    sse_usage,
     top_entries,
     unless_disconnected,
     usage,
@@ -98,17 +99,9 @@ class OpenAIServingChat(OpenAIServing):
                     choice = _chunk_choice(c.index, {"content": c.text}, logprobs, c)
                     yield sse({**meta, "choices": [choice]})
             if request.include_usage:
-                yield sse(
-                    {
-                        **meta,
-                        "choices": [],
-                        "usage": usage(num_prompt_tokens, num_completion_tokens),
-                    }
-                )
+                yield sse_usage(meta, num_prompt_tokens, num_completion_tokens)
         except ENGINE_ERRORS as exc:
             yield sse_error(exc)
-        finally:
-            stream.close()
         yield SSE_DONE
 
     def _logprobs(self, completion: CompletionOutput, k: int) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     new_request_id,
     sse,
     sse_error,
+    sse_usage,
     top_entries,
     unless_disconnected,
     usage,
@@ -198,17 +199,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     }
                     yield sse({**meta, "choices": [choice]})
             if request.include_usage:
-                yield sse(
-                    {
-                        **meta,
-                        "choices": [],
-                        "usage": usage(num_prompt_tokens, num_completion_tokens),
-                    }
-                )
+                yield sse_usage(meta, num_prompt_tokens, num_completion_tokens)
         except ENGINE_ERRORS as exc:
             yield sse_error(exc)
-        finally:
-            close_all(streams)
         yield SSE_DONE
 
     def _echo_logprobs(self, logprobs: _Logprobs, prompt: _Prompt) -> int:

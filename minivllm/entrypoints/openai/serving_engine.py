@@ -187,6 +187,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def sse_usage(meta: dict[str, Any], num_prompt_tokens: int, num_completion_tokens: int) -> str:
+    """The final chunk of a stream that asked for usage: no choices, only the counts."""
+    return sse({**meta, "choices": [], "usage": usage(num_prompt_tokens, num_completion_tokens)})
+
+
 SSE_DONE = "data: [DONE]\n\n"
 ENGINE_ERRORS = (EngineStepError, EngineDeadError)
 
