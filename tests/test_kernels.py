@@ -118,3 +118,40 @@ def test_fused_ops_match_the_layers_plain_paths():
     fused_q, fused_k = rope(positions, q, k)  # strided views into qkv, rotated in place
     close(fused_q, plain_q)
     close(fused_k, plain_k)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("Qwen3ForCausalLM", {}),  # per-head q/k RMSNorm
+        ("Qwen2ForCausalLM", dict(hidden_size=128)),  # QKV bias
+        ("LlamaForCausalLM", dict(hidden_size=128)),
+        ("MistralForCausalLM", dict(hidden_size=128, sliding_window=6)),
+    ],
+)
+def test_fused_decode_layers_equal_the_per_layer_path(make_checkpoint, arch, overrides):
+    """The one-call decode step and the per-layer Python path run the same kernels: equal bits."""
+    llm = LLM(
+        str(make_checkpoint(arch, **overrides)),
+        dtype="bfloat16",
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=64,
+        block_size=4,
+        enable_prefix_caching=False,  # the second run must not start from the first one's blocks
+    )
+    runner = llm.llm_engine.executor.runner
+    assert runner.fused_decode is not None
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 1)]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
+    results = []
+    for fused in (runner.fused_decode, None):
+        runner.fused_decode = fused
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results.append(
+            [
+                (o.outputs[0].token_ids, [{t: p.logprob for t, p in d.items()} for d in o.outputs[0].logprobs])
+                for o in outs
+            ]
+        )
+    assert results[0] == results[1]

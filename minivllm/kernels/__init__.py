@@ -6,6 +6,7 @@ CPU lacks the instructions, the compiler is missing, or the build fails.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import cache
@@ -34,8 +35,12 @@ def get_cpu_kernels() -> ModuleType | None:
     here = os.path.dirname(__file__)
     sources = [
         os.path.join(here, name)
-        for name in ("gemv_bf16.cpp", "paged_attention.cpp", "fused_ops.cpp")
+        for name in ("gemv_bf16.cpp", "paged_attention.cpp", "fused_ops.cpp", "decode_layers.cpp")
     ]
+    # cpp_extension rebuilds when the sources or flags change; the header's hash, as a
+    # flag, makes an edit of kernels.h count too
+    with open(os.path.join(here, "kernels.h"), "rb") as f:
+        header_hash = hashlib.sha256(f.read()).hexdigest()[:16]
     if not os.path.exists(os.path.join(build_dir, "minivllm_cpu_kernels.so")):
         logger.info(
             "compiling minivllm's CPU kernels into %s (first run only, about a minute)", build_dir
@@ -55,6 +60,7 @@ def get_cpu_kernels() -> ModuleType | None:
                 "-mavx512bf16",
                 "-fopenmp",
                 "-ffast-math",
+                f"-DMINIVLLM_KERNELS_H={header_hash}",
             ],
             extra_ldflags=["-fopenmp"],
             build_directory=build_dir,

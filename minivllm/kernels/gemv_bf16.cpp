@@ -16,6 +16,8 @@
 
 #include <algorithm>
 
+#include "kernels.h"
+
 namespace {
 
 using bf16 = at::BFloat16;
@@ -131,20 +133,12 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   return y;
 }
 
-torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                                     int64_t window);
-
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_and_mul(torch::Tensor x);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "bf16 RMSNorm");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; RMSNorm(residual)");
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("gemv_bf16", &gemv_bf16, "bf16 weight-streaming GEMV (AVX512-BF16)");
+  m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step");
   m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention");
 }

@@ -29,36 +29,92 @@ inline float dot_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t D) {
   return _mm512_reduce_add_ps(acc);
 }
 
+// exp(x) for 16 lanes: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with a
+// degree-6 polynomial for 2^f (relative error ~2e-7, below bf16's resolution).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // exp(-87) ~ 0 in fp32; keeps 2^n finite
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[0, L) <- softmax(s[0, L)), vectorised.
+inline void softmax_inplace(float* s, int64_t L) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= L; i += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + i));
+  float m = _mm512_reduce_max_ps(mv);
+  for (; i < L; ++i) m = std::max(m, s[i]);
+  const __m512 mb = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= L; i += 16) {
+    __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), mb));
+    _mm512_storeu_ps(s + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  float total = _mm512_reduce_add_ps(sum);
+  for (; i < L; ++i) {
+    s[i] = std::exp(s[i] - m);
+    total += s[i];
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / total);
+  for (i = 0; i + 16 <= L; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), inv));
+  for (; i < L; ++i) s[i] *= 1.f / total;
+}
+
+// Calls fn(t, row) for tokens t in [begin, end), walking the block table block by
+// block (no division per token).
+template <typename Fn>
+inline void for_each_token(const at::BFloat16* head, const int64_t* blocks, int64_t begin, int64_t end,
+                           int64_t block_size, int64_t D, Fn fn) {
+  for (int64_t b = begin / block_size; b * block_size < end; ++b) {
+    const int64_t t0 = std::max(begin, b * block_size), t1 = std::min(end, (b + 1) * block_size);
+    const at::BFloat16* base = head + blocks[b] * block_size * D;
+    for (int64_t t = t0; t < t1; ++t) fn(t, base + (t - b * block_size) * D);
+  }
+}
+
 void attend_one(const at::BFloat16* q, const at::BFloat16* k_head, const at::BFloat16* v_head,
                 const int64_t* blocks, int64_t begin, int64_t seq_len, int64_t block_size, int64_t G,
                 int64_t D, float scale, at::BFloat16* out, std::vector<float>& scores,
                 std::vector<float>& acc) {
   const int64_t L = seq_len - begin;
   scores.resize(G * L);
-  for (int64_t t = begin; t < seq_len; ++t) {
-    const at::BFloat16* k = k_head + (blocks[t / block_size] * block_size + t % block_size) * D;
-    for (int64_t g = 0; g < G; ++g) scores[g * L + (t - begin)] = scale * dot_bf16(q + g * D, k, D);
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * L;
-    float m = -INFINITY;
-    for (int64_t i = 0; i < L; ++i) m = std::max(m, s[i]);
-    float sum = 0.f;
-    for (int64_t i = 0; i < L; ++i) {
-      s[i] = std::exp(s[i] - m);
-      sum += s[i];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t i = 0; i < L; ++i) s[i] *= inv;
-  }
+  float* sc = scores.data();
+  for_each_token(k_head, blocks, begin, seq_len, block_size, D, [&](int64_t t, const at::BFloat16* k) {
+    for (int64_t g = 0; g < G; ++g) sc[g * L + (t - begin)] = scale * dot_bf16(q + g * D, k, D);
+  });
+  for (int64_t g = 0; g < G; ++g) softmax_inplace(sc + g * L, L);
+  // o_g = sum_t p_t v_t, 64 dims (four fp32 vectors) of one head at a time in registers
   acc.assign(G * D, 0.f);
-  for (int64_t t = begin; t < seq_len; ++t) {
-    const at::BFloat16* v = v_head + (blocks[t / block_size] * block_size + t % block_size) * D;
-    for (int64_t d = 0; d < D; d += 16) {
-      __m512 vv = bf16x16_to_fp32(v + d);
-      for (int64_t g = 0; g < G; ++g) {
-        float* a = acc.data() + g * D + d;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(scores[g * L + (t - begin)]), vv, _mm512_loadu_ps(a)));
+  for (int64_t g = 0; g < G; ++g) {
+    const float* p = sc + g * L;
+    for (int64_t d = 0; d < D; d += 64) {
+      const int64_t vecs = std::min<int64_t>(4, (D - d) / 16);
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for_each_token(v_head, blocks, begin, seq_len, block_size, D, [&](int64_t t, const at::BFloat16* v) {
+        const __m512 pt = _mm512_set1_ps(p[t - begin]);
+        a0 = _mm512_fmadd_ps(pt, bf16x16_to_fp32(v + d), a0);
+        a1 = _mm512_fmadd_ps(pt, bf16x16_to_fp32(v + d + 16), a1);
+        if (vecs > 2) {
+          a2 = _mm512_fmadd_ps(pt, bf16x16_to_fp32(v + d + 32), a2);
+          a3 = _mm512_fmadd_ps(pt, bf16x16_to_fp32(v + d + 48), a3);
+        }
+      });
+      float* o = acc.data() + g * D + d;
+      _mm512_storeu_ps(o, a0);
+      _mm512_storeu_ps(o + 16, a1);
+      if (vecs > 2) {
+        _mm512_storeu_ps(o + 32, a2);
+        _mm512_storeu_ps(o + 48, a3);
       }
     }
   }

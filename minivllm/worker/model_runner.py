@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,8 @@ class ModelRunner:
         self.model = load_model(config.model, self.device)
         self.load_seconds = time.perf_counter() - start
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # Steps where every request decodes may run all layers in one kernel call (CPU bf16).
+        self.fused_decode: Callable[..., torch.Tensor] | None = None
         self._select_cpu_kernels()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
@@ -62,7 +65,14 @@ class ModelRunner:
         for layer in self.attention_layers:
             if layer.head_dim % 32 == 0:
                 layer.decode_kernel = kernels.paged_attention_decode
-        logger.info("bf16 CPU kernels on: %d linear layers, paged decode attention", count)
+        from minivllm.layers.fused_decode import FusedLlamaDecode
+
+        self.fused_decode = FusedLlamaDecode.build(self.model, kernels)
+        logger.info(
+            "bf16 CPU kernels on: %d linear layers, paged decode attention%s",
+            count,
+            ", all decoder layers fused for decode steps" if self.fused_decode else "",
+        )
 
     def kv_cache_bytes_per_block(self) -> int:
         dtype_size = torch.empty(0, dtype=self.config.model.dtype).element_size()
@@ -94,8 +104,11 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
-        with forward_context(inputs.attn):
-            hidden = self.model(inputs.input_ids, inputs.positions)
+        if self.fused_decode is not None and not inputs.attn.prefill_req_indices:
+            hidden = self.fused_decode(inputs.input_ids, inputs.positions, inputs.attn)
+        else:
+            with forward_context(inputs.attn):
+                hidden = self.model(inputs.input_ids, inputs.positions)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         output = ModelRunnerOutput()
         self._sample(inputs, logits[: len(inputs.sample_req_ids)], output)
