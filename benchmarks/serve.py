@@ -43,6 +43,7 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    chunks: int = 0  # streamed chunks with text
     error: str = ""
 
 
@@ -92,11 +93,24 @@ def redact(text: str, secret: str | None) -> str:
 
 
 async def build_prompts(http: httpx.AsyncClient, args: argparse.Namespace, model: str) -> list[Any]:
-    """Random word prompts cut to exactly `input_len` tokens by the server's tokenizer."""
+    """Random word prompts cut to exactly `input_len` tokens by the server's tokenizer.
+
+    vLLM-style servers (minivllm, `vllm serve`) tokenize at /tokenize and take token-id
+    prompts; llama-cpp-python's server tokenizes at /extras/tokenize and takes text only,
+    so there the cut ids are detokenized and sent as text (re-tokenization may shift the
+    count by a token or two; its usage chunk reports what it saw).
+    """
     rng = random.Random(args.seed)
     prompts = []
+    extras = (await http.post("/tokenize", json={"model": model, "prompt": "a"})).status_code == 404
     for _ in range(args.num_prompts):
         words = " ".join(rng.choice(_WORDS) for _ in range(args.input_len * 2))
+        if extras:
+            tokens = await _get_json(http, "POST", "/extras/tokenize", {"input": words})
+            ids = tokens["tokens"][: args.input_len]
+            text = await _get_json(http, "POST", "/extras/detokenize", {"tokens": ids})
+            prompts.append(text["text"])
+            continue
         tokens = await _get_json(http, "POST", "/tokenize", {"model": model, "prompt": words})
         ids = tokens["tokens"][: args.input_len]
         if args.endpoint == "/v1/completions":
@@ -157,12 +171,14 @@ async def send(
                     result.prompt_len = chunk["usage"]["prompt_tokens"]
                 if not any(_chunk_text(c) for c in chunk.get("choices", [])):
                     continue
+                result.chunks += 1
                 if result.ttft == 0.0:
                     result.ttft = now - start
                 else:
                     result.itl.append(now - last)
                 last = now
         result.latency = time.perf_counter() - start
+        result.output_len = result.output_len or result.chunks  # no usage chunk: one token each
         result.ok = True
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {str(exc)[:300]}"

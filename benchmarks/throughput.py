@@ -110,10 +110,11 @@ def main() -> None:
         from minivllm.utils.random_checkpoint import (
             QWEN3_0_6B,
             make_random_checkpoint,
+            pad_tokenizer,
             train_bpe_tokenizer,
         )
 
-        tokenizer = train_bpe_tokenizer(vocab_size=1000)
+        tokenizer = pad_tokenizer(train_bpe_tokenizer(vocab_size=1000), QWEN3_0_6B["vocab_size"])
         make_random_checkpoint(args.make_dir, "Qwen3Config", QWEN3_0_6B, tokenizer, torch.bfloat16)
         print(f"wrote {args.make_dir}")
         return

@@ -122,6 +122,36 @@ def test_fused_ops_match_the_layers_plain_paths():
 
 @needs_kernel
 @pytest.mark.parametrize(
+    "num_context,num_query,group,dim,window",
+    [(0, 77, 2, 128, 0), (0, 5, 3, 64, 0), (37, 40, 2, 64, 0), (0, 70, 1, 32, 9), (50, 20, 2, 64, 16)],
+)
+def test_prefill_attention_matches_a_reference(num_context, num_query, group, dim, window):
+    kernels = get_cpu_kernels()
+    gen = torch.Generator().manual_seed(num_context + num_query + dim)
+    num_kv, block_size, num_blocks = 2, 8, 20
+    k_cache = torch.randn(num_kv, num_blocks, block_size, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(num_kv, num_blocks, block_size, dim, generator=gen).bfloat16()
+    seq_len = num_context + num_query
+    block_table = torch.randperm(num_blocks, generator=gen)[: -(-seq_len // block_size)]
+    q = torch.randn(num_query, num_kv * group, dim, generator=gen).bfloat16()
+    got = kernels.prefill_attention(q, k_cache, v_cache, block_table, num_context, 0.1, window)
+    slots = [int(block_table[t // block_size]) * block_size + t % block_size for t in range(seq_len)]
+    for h in range(num_kv * group):
+        keys = k_cache[h // group].reshape(-1, dim)[slots].double()
+        values = v_cache[h // group].reshape(-1, dim)[slots].double()
+        scores = 0.1 * q[:, h].double() @ keys.T  # [query, key]
+        q_pos = torch.arange(num_context, seq_len).unsqueeze(1)
+        k_pos = torch.arange(seq_len).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if window:
+            visible &= k_pos > q_pos - window
+        want = scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values
+        # bf16 probabilities in the second product: errors of a few bf16 ulps
+        torch.testing.assert_close(got[:, h].double(), want, atol=3e-2, rtol=3e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
     "arch,overrides",
     [
         ("Qwen3ForCausalLM", {}),  # per-head q/k RMSNorm

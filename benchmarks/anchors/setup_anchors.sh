@@ -36,6 +36,8 @@ for step in $STEPS; do
       $L install -q --upgrade pip wheel
       # torch==2.13.0 exactly: that CPU wheel is on this machine's disk; anything looser pulls a CUDA build.
       $L install -q torch==2.13.0 transformers sentencepiece numpy
+      # the [server] extra's dependencies, for python -m llama_cpp.server (serve_compare.py)
+      $L install -q uvicorn fastapi sse-starlette starlette-context pydantic-settings
       mkdir -p "$DIR/src"
       if [ ! -f "$DIR/src/llama_cpp_python-$LLAMA_VER.tar.gz" ]; then
         $L download -q --no-binary llama-cpp-python --no-deps -d "$DIR/src" "llama-cpp-python==$LLAMA_VER"

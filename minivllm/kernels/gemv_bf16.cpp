@@ -140,5 +140,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
   m.def("gemv_bf16", &gemv_bf16, "bf16 weight-streaming GEMV (AVX512-BF16)");
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step");
+  m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache");
   m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention");
 }

@@ -13,6 +13,8 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels.h"
+
 namespace {
 
 inline __m512 bf16x16_to_fp32(const at::BFloat16* p) {
@@ -27,23 +29,6 @@ inline float dot_bf16(const at::BFloat16* q, const at::BFloat16* k, int64_t D) {
     acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(k + d), (__m512bh)_mm512_loadu_si512(q + d));
   }
   return _mm512_reduce_add_ps(acc);
-}
-
-// exp(x) for 16 lanes: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with a
-// degree-6 polynomial for 2^f (relative error ~2e-7, below bf16's resolution).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // exp(-87) ~ 0 in fp32; keeps 2^n finite
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5353362e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // s[0, L) <- softmax(s[0, L)), vectorised.

@@ -31,8 +31,9 @@ class Attention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache = torch.empty(0)  # bound by the model runner
-        # Optional fused decode kernel (bf16 CPU), set by the model runner.
+        # Optional fused decode and prefill kernels (bf16 CPU), set by the model runner.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
+        self.prefill_kernel: Callable[..., torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k and v: [T, Hkv*D] -> [T, H*D]."""
@@ -106,6 +107,18 @@ class Attention(nn.Module):
         start, end = meta.cu_seqlens_q[i], meta.cu_seqlens_q[i + 1]
         seq_len, query_len = meta.seq_lens[i], end - start
         num_context = seq_len - query_len
+        if self.prefill_kernel is not None and q.dtype == torch.bfloat16:
+            # reads this chunk's keys and values back from the cache forward() just wrote
+            out[start:end] = self.prefill_kernel(
+                q[start:end],
+                self.kv_cache[0],
+                self.kv_cache[1],
+                torch.tensor(meta.block_tables[i], device=q.device),
+                num_context,
+                self.scale,
+                self.sliding_window or 0,
+            )
+            return
         if num_context == 0:
             keys, values = k[:, start:end], v[:, start:end]
         else:

@@ -6,6 +6,8 @@ anyone can rebuild exactly the checkpoint a figure was measured on.
 
 from __future__ import annotations
 
+import json
+
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -65,6 +67,31 @@ def train_bpe_tokenizer(vocab_size: int = 500, texts: list[str] | None = None) -
     )
     hf_tok.chat_template = CHAT_TEMPLATE
     return hf_tok
+
+
+def pad_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """Give every id up to `vocab_size` a text (`<t1234>`), as plain BPE vocabulary entries.
+
+    A random model of a real model's shape samples ids from its whole vocabulary; with a
+    small trained tokenizer most of them would decode to nothing, and a streaming server
+    sends nothing for a token without text, so serving benchmarks could not time them.
+    Vocabulary entries (no merges reach them) load as fast as a real 150k vocabulary;
+    150k *added* tokens would take seconds.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    for i in range(len(tokenizer), vocab_size):
+        vocab[f"<t{i}>"] = i
+    padded = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+        eos_token=tokenizer.eos_token,
+        pad_token=tokenizer.pad_token,
+    )
+    padded.chat_template = tokenizer.chat_template
+    return padded
 
 
 def make_random_checkpoint(

@@ -65,11 +65,12 @@ class ModelRunner:
         for layer in self.attention_layers:
             if layer.head_dim % 32 == 0:
                 layer.decode_kernel = kernels.paged_attention_decode
+                layer.prefill_kernel = kernels.prefill_attention
         from minivllm.layers.fused_decode import FusedLlamaDecode
 
         self.fused_decode = FusedLlamaDecode.build(self.model, kernels)
         logger.info(
-            "bf16 CPU kernels on: %d linear layers, paged decode attention%s",
+            "bf16 CPU kernels on: %d linear layers, paged decode and prefill attention%s",
             count,
             ", all decoder layers fused for decode steps" if self.fused_decode else "",
         )
