@@ -59,11 +59,13 @@ def server_commands(args: argparse.Namespace, port: int) -> dict[str, str]:
         )
     }
     if args.llamacpp_python and args.llamacpp_gguf:
-        # llama-cpp-python's server runs one request at a time (a lock around the model)
+        # llama-cpp-python's server runs one request at a time (a lock around the model);
+        # by default a new request interrupts the one streaming, so turn that off to queue
         cmds["llama.cpp server"] = (
             f"{shlex.quote(args.llamacpp_python)} -m llama_cpp.server --model "
             f"{shlex.quote(args.llamacpp_gguf)} --n_threads {args.threads} "
-            f"--n_threads_batch {args.threads} --n_ctx 1024 --n_batch 512 --port {port}"
+            f"--n_threads_batch {args.threads} --n_ctx 1024 --n_batch 512 "
+            f"--interrupt_requests False --port {port}"
         )
     if args.vllm_python:
         env = f"source {shlex.quote(args.vllm_env)} && " if args.vllm_env else ""
