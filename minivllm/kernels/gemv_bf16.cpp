@@ -134,12 +134,15 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "bf16 RMSNorm");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; RMSNorm(residual)");
-  m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding, in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up");
-  m.def("gemv_bf16", &gemv_bf16, "bf16 weight-streaming GEMV (AVX512-BF16)");
-  m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step");
-  m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache");
-  m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention");
+  // Every kernel runs without the GIL, as ATen ops do: a 40 ms decode step that held it
+  // kept the server's event loop (another thread) from streaming the previous token.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, "bf16 RMSNorm", nogil);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; RMSNorm(residual)", nogil);
+  m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding, in place", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
+  m.def("gemv_bf16", &gemv_bf16, "bf16 weight-streaming GEMV (AVX512-BF16)", nogil);
+  m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);
+  m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache", nogil);
+  m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention", nogil);
 }
