@@ -6,10 +6,11 @@
 // M rows of x. Threads split the output rows into blocks of R weight rows; a
 // block (R x K bf16, a few KB) is multiplied against x in tiles of MR rows, so
 // after the first tile it is read from L1, and while a block is in use the next
-// one is prefetched. The tile sizes were chosen by measurement on an AMD EPYC
-// (Zen 4) VM: 1x8 rows prefetching four blocks ahead streams ~29.5 GB/s at
-// M = 1 (the old 1x4 kernel without prefetch: ~25), and 4x6 tiles beat oneDNN up
-// to M ~ 48 (0.26 vs 0.19 TFLOP/s at M = 16); past that oneDNN's packed GEMM wins.
+// one is prefetched into L2. The tile sizes and the prefetch were chosen by
+// measurement on an AMD EPYC (Zen 4) VM: 1x8 rows prefetching four blocks ahead
+// into L2 streams ~32 GB/s at M = 1 (into L1: ~30; the old 1x4 kernel without
+// prefetch: ~25), and 4x6 tiles beat oneDNN up to M = 64 (0.32 vs 0.19 TFLOP/s at
+// M = 16; into L1 it was 0.26); past that oneDNN's packed GEMM wins.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -24,7 +25,7 @@ using bf16 = at::BFloat16;
 
 // out[m * R + r] = <x[m], w[r]> for an MR x R tile; optionally prefetch the
 // matching part of the next block (wnext) into L1 as the loop goes.
-template <int MR, int R, bool PREFETCH>
+template <int MR, int R, bool PREFETCH, int HINT>
 inline void tile(const bf16* x, const bf16* w, const bf16* wnext, int64_t K, float* out) {
   __m512 acc[MR][R];
   for (int m = 0; m < MR; ++m)
@@ -32,7 +33,7 @@ inline void tile(const bf16* x, const bf16* w, const bf16* wnext, int64_t K, flo
   const int64_t k_full = K & ~int64_t(31);
   for (int64_t k = 0; k < k_full; k += 32) {
     if constexpr (PREFETCH) {
-      for (int r = 0; r < R; ++r) _mm_prefetch((const char*)(wnext + r * K + k), _MM_HINT_T0);
+      for (int r = 0; r < R; ++r) _mm_prefetch((const char*)(wnext + r * K + k), static_cast<_mm_hint>(HINT));
     }
     __m512bh wv[R];
     for (int r = 0; r < R; ++r) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * K + k);
@@ -56,13 +57,13 @@ inline void tile(const bf16* x, const bf16* w, const bf16* wnext, int64_t K, flo
 }
 
 // A tile of `rows` (<= MR) rows of x: the row count is a template argument.
-template <int MR, int R>
+template <int MR, int R, int HINT>
 inline void tile_rows(int rows, const bf16* x, const bf16* w, const bf16* wnext, int64_t K,
                       float* out) {
   switch (rows) {
 #define MINIVLLM_TILE(n) \
   case n:                \
-    if constexpr (n <= MR) tile<n, R, true>(x, w, wnext, K, out); \
+    if constexpr (n <= MR) tile<n, R, true, HINT>(x, w, wnext, K, out); \
     break;
     MINIVLLM_TILE(1)
     MINIVLLM_TILE(2)
@@ -77,8 +78,9 @@ inline void store(float value, const bf16* bias, int64_t n, bf16* y) {
   *y = bf16(value + (bias ? static_cast<float>(bias[n]) : 0.f));
 }
 
-// PREFETCH_AHEAD: how many blocks ahead of the one in use to prefetch.
-template <int MR, int R, int PREFETCH_AHEAD>
+// PREFETCH_AHEAD: how many blocks ahead of the one in use to prefetch; HINT: into
+// which cache level.
+template <int MR, int R, int PREFETCH_AHEAD, int HINT>
 void small_gemm(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t M, int64_t K,
                 int64_t N) {
   const int64_t num_blocks = N / R;
@@ -89,7 +91,7 @@ void small_gemm(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t
       const bf16* wnext = w + std::min(b + PREFETCH_AHEAD, num_blocks - 1) * R * K;
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
-        tile_rows<MR, R>(rows, x + m0 * K, w + n0 * K, wnext, K, out);
+        tile_rows<MR, R, HINT>(rows, x + m0 * K, w + n0 * K, wnext, K, out);
         for (int m = 0; m < rows; ++m)
           for (int r = 0; r < R; ++r) store(out[m * R + r], bias, n0 + r, y + (m0 + m) * N + n0 + r);
       }
@@ -99,7 +101,7 @@ void small_gemm(const bf16* x, const bf16* w, const bf16* bias, bf16* y, int64_t
     float out[MR];
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
       const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
-      tile_rows<MR, 1>(rows, x + m0 * K, w + n * K, w + n * K, K, out);
+      tile_rows<MR, 1, HINT>(rows, x + m0 * K, w + n * K, w + n * K, K, out);
       for (int m = 0; m < rows; ++m) store(out[m], bias, n, y + (m0 + m) * N + n);
     }
   }
@@ -126,9 +128,9 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   auto wp = w.data_ptr<bf16>();
   auto yp = y.data_ptr<bf16>();
   if (M == 1) {
-    small_gemm<1, 8, 4>(xp, wp, b, yp, M, K, N);
+    small_gemm<1, 8, 4, _MM_HINT_T1>(xp, wp, b, yp, M, K, N);
   } else {
-    small_gemm<4, 6, 1>(xp, wp, b, yp, M, K, N);
+    small_gemm<4, 6, 1, _MM_HINT_T1>(xp, wp, b, yp, M, K, N);
   }
   return y;
 }

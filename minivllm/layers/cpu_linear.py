@@ -17,7 +17,7 @@ from minivllm.layers.linear import LinearBase, UnquantizedLinearMethod
 
 
 class CpuGemvLinearMethod(UnquantizedLinearMethod):
-    def __init__(self, kernels: ModuleType, max_rows: int = 48) -> None:
+    def __init__(self, kernels: ModuleType, max_rows: int = 64) -> None:
         self.kernels = kernels
         self.max_rows = max_rows
 
