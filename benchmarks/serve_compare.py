@@ -110,6 +110,7 @@ def run_engine(name: str, cmd: str, port: int, args: argparse.Namespace) -> dict
             subprocess.run(bench, check=False, stdout=subprocess.DEVNULL)
             with open(out) as f:
                 summary = json.load(f)
+            os.unlink(out)
             result[conc] = summary
             print(
                 f"[{name}] concurrency {conc}: {summary['completed']} ok, "

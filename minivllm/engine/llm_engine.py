@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import itertools
 import logging
 import time
@@ -48,12 +47,6 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
-        # Everything built so far (model, tokenizer, caches) lives as long as the engine:
-        # move it out of the collector's view so a full collection during decoding does
-        # not walk it (tens of ms with a large vocabulary), the lesson of vLLM's
-        # gc.freeze() after start-up.
-        gc.collect()
-        gc.freeze()
         self.startup_seconds = time.perf_counter() - start
 
     @classmethod

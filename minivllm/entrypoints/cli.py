@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -280,6 +281,12 @@ def serve_command(args: argparse.Namespace) -> int:
         sock.close()
         return 1
     _log_engine(async_llm)
+    # The server owns this process, and the model, tokenizer and caches live as long as
+    # it: move them out of the collector's view so full collections while serving do not
+    # walk them (vLLM freezes after start-up too). Not done in `LLM`, whose process is
+    # the user's.
+    gc.collect()
+    gc.freeze()
     return run_server(async_llm, metrics, config, sock)
 
 

@@ -96,31 +96,14 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_node(parallel: ParallelConfig, node_rank: int) -> int:
     from minivllm.worker.local_workers import LocalWorkers
-    from minivllm.worker.worker import WorkerSpec
+    from minivllm.worker.worker import node_specs
 
     init_method = parallel.distributed_init_method
     assert init_method is not None  # ParallelConfig requires it with several nodes
-    local = parallel.ranks_per_node
-    first = node_rank * local
-    threads = max(1, len(os.sched_getaffinity(0)) // local)
-    specs = [
-        WorkerSpec(
-            rank=first + i,
-            world_size=parallel.tensor_parallel_size,
-            local_rank=i,
-            ranks_per_node=local,
-            init_method=init_method,
-            num_threads=threads,
-            log_level=logger.getEffectiveLevel(),
-        )
-        for i in range(local)
-    ]
+    threads = max(1, len(os.sched_getaffinity(0)) // parallel.ranks_per_node)
+    specs = node_specs(parallel, node_rank, init_method, threads)
     logger.info(
-        "node %d: ranks %d..%d joining %s",
-        node_rank,
-        first,
-        first + local - 1,
-        init_method,
+        "node %d: ranks %d..%d joining %s", node_rank, specs[0].rank, specs[-1].rank, init_method
     )
     signal.signal(signal.SIGTERM, _raise_interrupt)
     workers = LocalWorkers(specs, None)

@@ -40,19 +40,18 @@ inline __m512bh bcast_pair(const bf16* p) {  // one 32-bit load broadcast to 16 
   return (__m512bh)_mm512_castps_si512(_mm512_broadcastss_ps(_mm_load_ss(reinterpret_cast<const float*>(p))));
 }
 
-// Keys and values of one KV head, re-laid out for the dot-product instruction.
+// Keys and values of one KV head, re-laid out for the dot-product instruction
+// (Lp: the key count rounded up to KT).
 struct HeadLayout {
   // [Lp/KT][D/2][KT]: per key tile, key pairs with the keys contiguous; tile-major so a
   // tile is one 16 KB run (a [D/2][Lp] layout put its rows Lp*4 bytes apart, on a few L1 sets)
   std::vector<uint32_t> kt;
   std::vector<bf16> vp;      // [Lp/2][D][2]: value pairs of consecutive keys
-  int64_t Lp = 0;
 };
 
 void lay_out_head(const bf16* k_head, const bf16* v_head, const int64_t* blocks, int64_t L,
                   int64_t BS, int64_t D, HeadLayout& out) {
   const int64_t Lp = (L + KT - 1) / KT * KT, D2 = D / 2;
-  out.Lp = Lp;
   out.kt.resize(D2 * Lp);
   out.vp.resize(Lp * D);
   auto slot = [&](int64_t j) { return blocks[j / BS] * BS + j % BS; };
@@ -116,7 +115,7 @@ void attend_tile(const bf16* q, int64_t q_row_stride, const HeadLayout& lay, int
                  int64_t h, int64_t G, int64_t D, int64_t num_context, int64_t window, float scale,
                  bf16* out, int64_t out_row_stride, std::vector<float>& o_buf,
                  std::vector<float>& s_buf, std::vector<bf16>& p_buf, std::vector<bf16>& q_buf) {
-  const int64_t rows = (t1 - t0) * G, R = (rows + RB - 1) / RB * RB, D2 = D / 2, Lp = lay.Lp;
+  const int64_t rows = (t1 - t0) * G, R = (rows + RB - 1) / RB * RB, D2 = D / 2;
   // rows r = (t - t0) * G + g; padded rows repeat the last real one (finite, discarded)
   q_buf.resize(R * D);
   std::vector<int64_t> pos(R);

@@ -22,7 +22,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from minivllm.worker.local_workers import LocalWorkers, WorkerError
-from minivllm.worker.worker import WorkerSpec
+from minivllm.worker.worker import node_specs
 
 logger = logging.getLogger("minivllm")
 
@@ -33,20 +33,8 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         parallel = config.parallel
         init_method = parallel.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
-        local = parallel.ranks_per_node
-        threads = max(1, torch.get_num_threads() // local)
-        specs = [
-            WorkerSpec(
-                rank=r,
-                world_size=parallel.tensor_parallel_size,
-                local_rank=r,
-                ranks_per_node=local,
-                init_method=init_method,
-                num_threads=threads,
-                log_level=logger.getEffectiveLevel(),
-            )
-            for r in range(local)
-        ]
+        threads = max(1, torch.get_num_threads() // parallel.ranks_per_node)
+        specs = node_specs(parallel, 0, init_method, threads)
         if parallel.nnodes > 1:
             logger.info(
                 "waiting for %d more node(s) to join at %s (`minivllm worker` there)",

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, ParallelConfig
 from minivllm.distributed.parallel_state import (
     all_reduce_min,
     broadcast_object,
@@ -50,6 +50,25 @@ class WorkerSpec:
     init_method: str  # tcp://host:port of node 0
     num_threads: int
     log_level: int = logging.WARNING
+
+
+def node_specs(
+    parallel: ParallelConfig, node_rank: int, init_method: str, num_threads: int
+) -> list[WorkerSpec]:
+    """The ranks node `node_rank` runs: `ranks_per_node` consecutive ones, local ranks from 0."""
+    local = parallel.ranks_per_node
+    return [
+        WorkerSpec(
+            rank=node_rank * local + i,
+            world_size=parallel.tensor_parallel_size,
+            local_rank=i,
+            ranks_per_node=local,
+            init_method=init_method,
+            num_threads=num_threads,
+            log_level=logger.getEffectiveLevel(),
+        )
+        for i in range(local)
+    ]
 
 
 @dataclass(frozen=True, slots=True)
