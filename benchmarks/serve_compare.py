@@ -155,12 +155,17 @@ def print_table(results: dict, concurrency: list[int]) -> None:
                 value = summary[key] if stat is None else summary[key].get(stat)
                 cells.append("-" if value is None else f"{value:.1f}")
             print(f"| {conc} | {label} | " + " | ".join(cells) + " |")
-    print("| - | start-up (s) | " + " | ".join(
-        f"{results[e].get('startup_s', float('nan')):.1f}" for e in engines) + " |")
+    print(
+        "| - | start-up (s) | "
+        + " | ".join(f"{results[e].get('startup_s', float('nan')):.1f}" for e in engines)
+        + " |"
+    )
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="HF checkpoint directory")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])

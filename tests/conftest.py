@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import openai
 import pytest
 import torch
 
 from minivllm.utils.random_checkpoint import make_random_checkpoint, train_bpe_tokenizer
+from tests.server_utils import (
+    API_KEY,
+    BODY_LIMIT,
+    MAX_MODEL_LEN,
+    MODEL,
+    OTHER_TEMPLATE,
+    RemoteServer,
+)
 
 TINY = dict(
     vocab_size=512,
@@ -101,3 +111,68 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def servers(
+    qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, RemoteServer]]:
+    """The main server, and a short-lived one with --api-key and --chat-template (started together).
+
+    One set for the whole session, shared by test_server.py and test_server_errors.py.
+    """
+    logs = tmp_path_factory.mktemp("server-logs")
+    common = [
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+    ]
+    template = logs / "template.jinja"
+    template.write_text(OTHER_TEMPLATE)
+    main = RemoteServer(
+        qwen3_dir,
+        [*common, "--kv-cache-memory-bytes", "4MiB", "--max-request-body-bytes", str(BODY_LIMIT)],
+        logs / "main.log",
+    )
+    keyed = RemoteServer(
+        qwen3_dir,
+        [
+            *common,
+            "--kv-cache-memory-bytes",
+            "1MiB",
+            "--api-key",
+            API_KEY,
+            "--chat-template",
+            str(template),
+        ],
+        logs / "keyed.log",
+    )
+    started = {"main": main, "keyed": keyed}
+    try:
+        for server in started.values():
+            server.wait_ready()
+        yield started
+    finally:
+        statuses = {name: server.stop() for name, server in started.items()}
+    assert statuses["main"] == 0, main.log()[-4000:]
+    assert "Traceback" not in main.log(), main.log()[-4000:]
+
+
+@pytest.fixture(scope="session")
+def server(servers: dict[str, RemoteServer]) -> RemoteServer:
+    return servers["main"]
+
+
+@pytest.fixture(scope="session")
+def client(server: RemoteServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(qwen3_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_dir)

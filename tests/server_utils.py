@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -9,8 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _URL_LINE = re.compile(r"Serving .* at (http://\S+) ")
@@ -62,3 +66,48 @@ class RemoteServer:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+# The shared servers of test_server.py and test_server_errors.py (fixtures in conftest.py)
+MODEL = "tiny-qwen3"
+API_KEY = "sk-test-key"
+MAX_MODEL_LEN = 256
+BODY_LIMIT = 8 << 20
+PROMPTS = ["The quick brown fox", "def main():", "import os\nimport sys", "Hello, world"]
+GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+# A chat template unlike the tokenizer's, for the --chat-template server.
+OTHER_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}\n{% endfor %}[assistant]:"
+)
+
+
+def greedy_text(client: openai.OpenAI, prompt: str) -> str:
+    return client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
+
+
+def metrics(server: RemoteServer) -> dict[str, float]:
+    """Every sample as `name{label="v",...}` -> value (labels sorted, model_name left out)."""
+    text = httpx.get(server.url + "/metrics").text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(
+                f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name"
+            )
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def post(server: RemoteServer, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=60, **kwargs)
+
+
+def assert_error(response: httpx.Response, status: int, *needles: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text[:2000]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for needle in needles:
+        assert needle in error["message"], error
+    return error

@@ -123,7 +123,13 @@ def test_fused_ops_match_the_layers_plain_paths():
 @needs_kernel
 @pytest.mark.parametrize(
     "num_context,num_query,group,dim,window",
-    [(0, 77, 2, 128, 0), (0, 5, 3, 64, 0), (37, 40, 2, 64, 0), (0, 70, 1, 32, 9), (50, 20, 2, 64, 16)],
+    [
+        (0, 77, 2, 128, 0),
+        (0, 5, 3, 64, 0),
+        (37, 40, 2, 64, 0),
+        (0, 70, 1, 32, 9),
+        (50, 20, 2, 64, 16),
+    ],
 )
 def test_prefill_attention_matches_a_reference(num_context, num_query, group, dim, window):
     kernels = get_cpu_kernels()
@@ -135,7 +141,9 @@ def test_prefill_attention_matches_a_reference(num_context, num_query, group, di
     block_table = torch.randperm(num_blocks, generator=gen)[: -(-seq_len // block_size)]
     q = torch.randn(num_query, num_kv * group, dim, generator=gen).bfloat16()
     got = kernels.prefill_attention(q, k_cache, v_cache, block_table, num_context, 0.1, window)
-    slots = [int(block_table[t // block_size]) * block_size + t % block_size for t in range(seq_len)]
+    slots = [
+        int(block_table[t // block_size]) * block_size + t % block_size for t in range(seq_len)
+    ]
     for h in range(num_kv * group):
         keys = k_cache[h // group].reshape(-1, dim)[slots].double()
         values = v_cache[h // group].reshape(-1, dim)[slots].double()
@@ -180,7 +188,10 @@ def test_fused_decode_layers_equal_the_per_layer_path(make_checkpoint, arch, ove
         outs = llm.generate(prompts, params, use_tqdm=False)
         results.append(
             [
-                (o.outputs[0].token_ids, [{t: p.logprob for t, p in d.items()} for d in o.outputs[0].logprobs])
+                (
+                    o.outputs[0].token_ids,
+                    [{t: p.logprob for t, p in d.items()} for d in o.outputs[0].logprobs],
+                )
                 for o in outs
             ]
         )

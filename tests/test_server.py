@@ -7,122 +7,25 @@ import json
 import signal
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import RemoteServer
-
-MODEL = "tiny-qwen3"
-API_KEY = "sk-test-key"
-MAX_MODEL_LEN = 256
-BODY_LIMIT = 8 << 20
-PROMPTS = ["The quick brown fox", "def main():", "import os\nimport sys", "Hello, world"]
-GREEDY = {"temperature": 0.0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-# A chat template unlike the tokenizer's, for the --chat-template server.
-OTHER_TEMPLATE = (
-    "{% for m in messages %}[{{ m['role'] }}]: {{ m['content'] }}\n{% endfor %}[assistant]:"
+from tests.server_utils import (
+    API_KEY,
+    GREEDY,
+    MAX_MODEL_LEN,
+    MODEL,
+    PROMPTS,
+    RemoteServer,
+    assert_error,
+    greedy_text,
+    metrics,
+    post,
 )
-
-
-@pytest.fixture(scope="module")
-def servers(
-    qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, RemoteServer]]:
-    """The main server, and a short-lived one with --api-key and --chat-template (started together)."""
-    logs = tmp_path_factory.mktemp("server-logs")
-    common = [
-        "--served-model-name",
-        MODEL,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-    ]
-    template = logs / "template.jinja"
-    template.write_text(OTHER_TEMPLATE)
-    main = RemoteServer(
-        qwen3_dir,
-        [*common, "--kv-cache-memory-bytes", "4MiB", "--max-request-body-bytes", str(BODY_LIMIT)],
-        logs / "main.log",
-    )
-    keyed = RemoteServer(
-        qwen3_dir,
-        [
-            *common,
-            "--kv-cache-memory-bytes",
-            "1MiB",
-            "--api-key",
-            API_KEY,
-            "--chat-template",
-            str(template),
-        ],
-        logs / "keyed.log",
-    )
-    started = {"main": main, "keyed": keyed}
-    try:
-        for server in started.values():
-            server.wait_ready()
-        yield started
-    finally:
-        statuses = {name: server.stop() for name, server in started.items()}
-    assert statuses["main"] == 0, main.log()[-4000:]
-    assert "Traceback" not in main.log(), main.log()[-4000:]
-
-
-@pytest.fixture(scope="module")
-def server(servers: dict[str, RemoteServer]) -> RemoteServer:
-    return servers["main"]
-
-
-@pytest.fixture(scope="module")
-def client(server: RemoteServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(qwen3_dir: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(qwen3_dir)
-
-
-def _greedy_text(client: openai.OpenAI, prompt: str) -> str:
-    return client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
-
-
-def _metrics(server: RemoteServer) -> dict[str, float]:
-    """Every sample as `name{label="v",...}` -> value (labels sorted, model_name left out)."""
-    text = httpx.get(server.url + "/metrics").text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(
-                f'{k}="{v}"' for k, v in sorted(s.labels.items()) if k != "model_name"
-            )
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
-
-
-def _post(server: RemoteServer, path: str, body: Any, **kwargs: Any) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
-    return httpx.post(server.url + path, content=content, headers=headers, timeout=60, **kwargs)
-
-
-def _assert_error(response: httpx.Response, status: int, *needles: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text[:2000]
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    for needle in needles:
-        assert needle in error["message"], error
-    return error
-
 
 # ---------------------------------------------------------------- routes
 
@@ -136,18 +39,18 @@ def test_models_health_version(server: RemoteServer, client: openai.OpenAI) -> N
 
 def test_tokenize_detokenize(server: RemoteServer, tokenizer: Any) -> None:
     ids = tokenizer(PROMPTS[2]).input_ids
-    body = _post(server, "/tokenize", {"model": MODEL, "prompt": PROMPTS[2]}).json()
+    body = post(server, "/tokenize", {"model": MODEL, "prompt": PROMPTS[2]}).json()
     assert (
         body["tokens"] == ids
         and body["count"] == len(ids)
         and body["max_model_len"] == MAX_MODEL_LEN
     )
-    assert _post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == PROMPTS[2]
+    assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == PROMPTS[2]
     messages = [{"role": "user", "content": "hi"}]
     chat_ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    assert _post(server, "/tokenize", {"messages": messages}).json()["tokens"] == list(chat_ids)
+    assert post(server, "/tokenize", {"messages": messages}).json()["tokens"] == list(chat_ids)
 
 
 # ---------------------------------------------------------------- completions and chat
@@ -162,7 +65,7 @@ def test_completion_usage_matches_tokenizer(client: openai.OpenAI, tokenizer: An
 
 
 def test_token_id_prompts_and_batches(client: openai.OpenAI, tokenizer: Any) -> None:
-    texts = [_greedy_text(client, p) for p in PROMPTS[:2]]
+    texts = [greedy_text(client, p) for p in PROMPTS[:2]]
     ids = [tokenizer(p).input_ids for p in PROMPTS[:2]]
     by_ids = client.completions.create(model=MODEL, prompt=ids[0], **GREEDY)
     assert by_ids.choices[0].text == texts[0]
@@ -299,7 +202,7 @@ def test_stop_strings(client: openai.OpenAI) -> None:
 def test_32_concurrent_clients_match_sequential(
     server: RemoteServer, client: openai.OpenAI
 ) -> None:
-    expected = {p: _greedy_text(client, p) for p in PROMPTS}
+    expected = {p: greedy_text(client, p) for p in PROMPTS}
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
     async def one(i: int) -> tuple[str, str]:
@@ -326,9 +229,9 @@ def test_cache_salt_is_accepted_and_validated(server: RemoteServer, client: open
         prompt=PROMPTS[0],
         **{**GREEDY, "extra_body": {"ignore_eos": True, "cache_salt": "tenant-a"}},
     )
-    assert salted.choices[0].text == _greedy_text(client, PROMPTS[0])
-    _assert_error(
-        _post(server, "/v1/completions", {"prompt": "x", "cache_salt": ""}), 400, "cache_salt"
+    assert salted.choices[0].text == greedy_text(client, PROMPTS[0])
+    assert_error(
+        post(server, "/v1/completions", {"prompt": "x", "cache_salt": ""}), 400, "cache_salt"
     )
 
 
@@ -336,7 +239,7 @@ def test_cache_salt_is_accepted_and_validated(server: RemoteServer, client: open
 
 
 def test_disconnect_aborts_and_frees_blocks(server: RemoteServer) -> None:
-    before = _metrics(server).get('minivllm:request_success_total{finished_reason="abort"}', 0.0)
+    before = metrics(server).get('minivllm:request_success_total{finished_reason="abort"}', 0.0)
     body = {
         "model": MODEL,
         "prompt": PROMPTS[0],
@@ -359,7 +262,7 @@ def test_disconnect_aborts_and_frees_blocks(server: RemoteServer) -> None:
 def _wait_for_metrics(server: RemoteServer, done: Any, attempts: int = 600) -> dict[str, float]:
     """Poll /metrics until `done(samples)`; the bound only stops a broken server hanging the test."""
     for _ in range(attempts):
-        samples = _metrics(server)
+        samples = metrics(server)
         if done(samples):
             return samples
         threading.Event().wait(0.05)
@@ -367,7 +270,7 @@ def _wait_for_metrics(server: RemoteServer, done: Any, attempts: int = 600) -> d
 
 
 def test_metrics_parse_and_count(server: RemoteServer, client: openai.OpenAI) -> None:
-    before = _metrics(server)
+    before = metrics(server)
     result = client.completions.create(model=MODEL, prompt=PROMPTS[3], **GREEDY)
     after = _wait_for_metrics(
         server,
@@ -407,148 +310,6 @@ def test_metrics_parse_and_count(server: RemoteServer, client: openai.OpenAI) ->
     assert after[success] == before[success] + 1
 
 
-# ---------------------------------------------------------------- errors
-
-
-@pytest.mark.parametrize(
-    "field, value, needle",
-    [
-        ("n", 0, "[1, 128]"),
-        ("n", 500, "[1, 128]"),
-        ("logprobs", 21, "[0, 20]"),
-        ("max_tokens", 0, "max_tokens"),
-        ("temperature", -1, "temperature"),
-        ("top_p", 1.5, "top_p"),
-        ("min_p", 2, "min_p"),
-        ("stop", [""], "stop"),
-        ("min_tokens", 20, "min_tokens"),
-        ("logit_bias", {"abc": 1}, "logit_bias"),
-    ],
-)
-def test_invalid_fields_are_400_and_named(
-    server: RemoteServer, field: str, value: Any, needle: str
-) -> None:
-    body = {"model": MODEL, "prompt": "hello", "max_tokens": 8, field: value}
-    error = _assert_error(_post(server, "/v1/completions", body), 400, needle)
-    assert error["type"] == "invalid_request_error" and error["param"] == field.split("[")[0]
-
-
-def test_chat_invalid_fields(server: RemoteServer) -> None:
-    def chat(**fields: Any) -> httpx.Response:
-        return _post(
-            server,
-            "/v1/chat/completions",
-            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], **fields},
-        )
-
-    _assert_error(chat(top_logprobs=30, logprobs=True), 400, "top_logprobs", "[0, 20]")
-    _assert_error(chat(n=0), 400, "[1, 128]")
-    _assert_error(chat(max_completion_tokens=0), 400, "max_completion_tokens")
-    _assert_error(_post(server, "/v1/chat/completions", {"messages": []}), 400, "messages")
-    bad_role = {"messages": [{"role": "wizard", "content": "x"}]}
-    _assert_error(_post(server, "/v1/chat/completions", bad_role), 400, "role")
-
-
-def test_prompt_too_long(server: RemoteServer, tokenizer: Any) -> None:
-    prompt = "hello world " * 200
-    length = len(tokenizer(prompt).input_ids)
-    assert length > MAX_MODEL_LEN
-    error = _assert_error(
-        _post(server, "/v1/completions", {"prompt": prompt}), 400, str(MAX_MODEL_LEN), str(length)
-    )
-    assert error["param"] == "prompt"
-    fits = "hello world " * 10
-    n = len(tokenizer(fits).input_ids)
-    response = _post(
-        server, "/v1/completions", {"prompt": fits, "max_tokens": MAX_MODEL_LEN - n + 1}
-    )
-    _assert_error(response, 400, str(MAX_MODEL_LEN), "max_tokens")
-    chat = {"messages": [{"role": "user", "content": prompt}]}
-    _assert_error(_post(server, "/v1/chat/completions", chat), 400, str(MAX_MODEL_LEN))
-
-
-def test_unknown_model_is_404(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.NotFoundError) as info:
-        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
-    assert info.value.status_code == 404 and "no-such-model" in info.value.message
-
-
-def test_openai_client_sees_400(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=MODEL, prompt="hi", n=0)
-    assert info.value.body["param"] == "n"
-
-
-def test_body_over_limit_is_413(server: RemoteServer) -> None:
-    body = json.dumps({"model": MODEL, "prompt": "x" * (BODY_LIMIT + 10)}).encode()
-    _assert_error(_post(server, "/v1/completions", body), 413, str(BODY_LIMIT))
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"prompt": "hi", "temperature": "x" * 3_000_000},
-        {"prompt": "hi", "stop": ["y" * 3_000_000]},
-        {"prompt": "hi", "logit_bias": {"k" * 3_000_000: 1}},
-        {"prompt": "hi", "model": "m" * 3_000_000},
-        {"prompt": [[1, 2, "z" * 3_000_000]]},
-        {"prompt": "hi", "user": "u" * 3_000_000},
-        {"messages": [{"role": "r" * 3_000_000, "content": "hi"}]},
-    ],
-    ids=["float", "stop", "logit_bias-key", "model", "token-id", "user", "role"],
-)
-def test_error_bodies_do_not_grow_with_input(server: RemoteServer, body: dict[str, Any]) -> None:
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    response = _post(server, path, body)
-    assert response.status_code == 400, response.text[:1000]
-    assert len(response.content) < 2048, response.content[:1000]
-    assert "error" in response.json()
-
-
-def test_malformed_input_and_unknown_routes(server: RemoteServer) -> None:
-    _assert_error(_post(server, "/v1/completions", b"{not json"), 400, "JSON")
-    _assert_error(_post(server, "/v1/completions", {"prompt": ""}), 400, "prompt")
-    _assert_error(_post(server, "/v1/completions", {"prompt": []}), 400, "prompt")
-    _assert_error(_post(server, "/v1/completions", {"prompt": [10**9]}), 400, "vocabulary")
-    _assert_error(_post(server, "/v1/completions", {"prompt": {"a": 1}}), 400, "prompt")
-    _assert_error(httpx.get(server.url + "/v1/nothing-here"), 404)
-
-
-def test_bad_requests_do_not_harm_requests_in_flight(
-    server: RemoteServer, client: openai.OpenAI
-) -> None:
-    expected = _greedy_text(client, PROMPTS[1])
-    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    bad_bodies = [
-        b"{",
-        {"prompt": "x", "n": -1},
-        {"prompt": [10**9]},
-        {"prompt": "x" * 5000},
-        {"messages": []},
-    ]
-
-    async def good() -> str:
-        stream = await aclient.completions.create(
-            model=MODEL, prompt=PROMPTS[1], stream=True, **GREEDY
-        )
-        return "".join([c.choices[0].text async for c in stream if c.choices])
-
-    async def bad(http: httpx.AsyncClient, body: Any) -> int:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
-        return (await http.post(server.url + path, content=content)).status_code
-
-    async def run() -> tuple[list[str], list[int]]:
-        async with aclient, httpx.AsyncClient(timeout=60) as http:
-            goods = [asyncio.ensure_future(good()) for _ in range(4)]
-            codes = await asyncio.gather(*(bad(http, b) for b in bad_bodies * 4))
-            return await asyncio.gather(*goods), codes
-
-    texts, codes = asyncio.run(run())
-    assert texts == [expected] * 4
-    assert set(codes) == {400}
-
-
 # ---------------------------------------------------------------- API key, chat template, shutdown
 
 
@@ -556,8 +317,8 @@ def test_api_key(servers: dict[str, RemoteServer]) -> None:
     keyed = servers["keyed"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
         response = httpx.get(keyed.url + "/v1/models", headers=headers)
-        _assert_error(response, 401, "API key")
-    _assert_error(_post(keyed, "/v1/completions", {"prompt": "hi"}), 401)
+        assert_error(response, 401, "API key")
+    assert_error(post(keyed, "/v1/completions", {"prompt": "hi"}), 401)
     assert httpx.get(keyed.url + "/health").status_code == 200
     assert httpx.get(keyed.url + "/metrics").status_code == 200
     good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=API_KEY, max_retries=0)

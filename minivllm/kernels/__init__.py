@@ -35,7 +35,13 @@ def get_cpu_kernels() -> ModuleType | None:
     here = os.path.dirname(__file__)
     sources = [
         os.path.join(here, name)
-        for name in ("gemv_bf16.cpp", "paged_attention.cpp", "fused_ops.cpp", "decode_layers.cpp", "prefill_attention.cpp")
+        for name in (
+            "gemv_bf16.cpp",
+            "paged_attention.cpp",
+            "fused_ops.cpp",
+            "decode_layers.cpp",
+            "prefill_attention.cpp",
+        )
     ]
     # cpp_extension rebuilds when the sources or flags change; the header's hash, as a
     # flag, makes an edit of kernels.h count too

@@ -7,7 +7,6 @@ anyone can rebuild exactly the checkpoint a figure was measured on.
 from __future__ import annotations
 
 import json
-
 import sysconfig
 from pathlib import Path
 from typing import Any
