@@ -56,16 +56,28 @@ def test_engine_outputs_agree_with_and_without_kernels(qwen3_dir):
 
 
 @needs_kernel
-@pytest.mark.parametrize("window", [0, 5])
-def test_paged_decode_attention_matches_a_reference(window):
+@pytest.mark.parametrize(
+    "group,dim,block_size,window",
+    [
+        (3, 64, 4, 0),  # blocks smaller than the kernel's 16-token chunks
+        (3, 64, 4, 5),
+        (2, 128, 16, 0),  # Qwen3-0.6B's heads: 8 KV heads serve 16
+        (8, 64, 32, 0),  # two chunks per block; heads taken four at a time
+        (7, 96, 16, 21),  # odd group, head_dim 96, a window starting mid-chunk
+        (1, 256, 8, 0),
+    ],
+)
+def test_paged_decode_attention_matches_a_reference(group, dim, block_size, window):
     kernels = get_cpu_kernels()
-    gen = torch.Generator().manual_seed(window)
-    num_kv, group, dim, num_blocks, block_size = 2, 3, 64, 12, 4
+    gen = torch.Generator().manual_seed(window + dim)
+    num_kv, blocks_per_seq = 2, 96 // block_size  # up to 96 tokens a request
+    num_blocks = 3 * blocks_per_seq + 2
     k_cache = torch.randn(num_kv, num_blocks, block_size, dim, generator=gen).bfloat16()
     v_cache = torch.randn(num_kv, num_blocks, block_size, dim, generator=gen).bfloat16()
-    block_tables = torch.tensor([[7, 2, 9, 0], [3, 0, 0, 0], [11, 4, 5, 1]])
-    seq_lens = torch.tensor([11, 2, 16])
-    q = torch.randn(3, num_kv * group, dim, generator=gen).bfloat16()
+    block_tables = torch.randperm(num_blocks, generator=gen)[: 3 * blocks_per_seq].view(3, -1)
+    seq_lens = torch.tensor([71, 2, 96])
+    # larger queries make peaked softmaxes, so the online max's rescaling matters
+    q = (4 * torch.randn(3, num_kv * group, dim, generator=gen)).bfloat16()
     got = kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, 0.125, window)
     for b in range(3):
         n = int(seq_lens[b])
@@ -81,7 +93,8 @@ def test_paged_decode_attention_matches_a_reference(window):
 
 
 @needs_kernel
-def test_fused_ops_match_the_layers_plain_paths():
+@pytest.mark.parametrize("hidden,head", [(96, 64), (100, 40)])  # 100 and 40: scalar tails too
+def test_fused_ops_match_the_layers_plain_paths(hidden, head):
     from minivllm.layers.activation import SiluAndMul
     from minivllm.layers.layernorm import RMSNorm
     from minivllm.layers.rotary import RotaryEmbedding
@@ -92,10 +105,10 @@ def test_fused_ops_match_the_layers_plain_paths():
     def close(a: torch.Tensor, b: torch.Tensor) -> None:  # within two bf16 ulps
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2 * 2**-8)
 
-    norm = RMSNorm(96, 1e-6)
-    norm.weight.data = torch.randn(96, generator=gen).bfloat16()
-    x = torch.randn(5, 96, generator=gen).bfloat16()
-    res = torch.randn(5, 96, generator=gen).bfloat16()
+    norm = RMSNorm(hidden, 1e-6)
+    norm.weight.data = torch.randn(hidden, generator=gen).bfloat16()
+    x = torch.randn(5, hidden, generator=gen).bfloat16()
+    res = torch.randn(5, hidden, generator=gen).bfloat16()
     plain = norm(x), norm(x, res.clone())
     norm.kernels = kernels
     fused = norm(x), norm(x, res.clone())
@@ -104,15 +117,15 @@ def test_fused_ops_match_the_layers_plain_paths():
     close(fused[1][1], plain[1][1])
 
     act = SiluAndMul()
-    y = torch.randn(3, 2 * 40, generator=gen).bfloat16()
+    y = (8 * torch.randn(3, 2 * hidden, generator=gen)).bfloat16()  # well into SiLU's tails
     plain_act = act(y)
     act.kernels = kernels
     close(act(y), plain_act)
 
-    rope = RotaryEmbedding(64, {"rope_type": "default", "rope_theta": 10000.0}, 512, 256)
-    qkv = torch.randn(4, (4 + 2 + 2) * 64, generator=gen).bfloat16()
+    rope = RotaryEmbedding(head, {"rope_type": "default", "rope_theta": 10000.0}, 512, 256)
+    qkv = torch.randn(4, (4 + 2 + 2) * head, generator=gen).bfloat16()
     positions = torch.tensor([0, 7, 100, 255])
-    q, k = qkv[:, : 4 * 64].view(4, 4, 64), qkv[:, 4 * 64 : 6 * 64].view(4, 2, 64)
+    q, k = qkv[:, : 4 * head].view(4, 4, head), qkv[:, 4 * head : 6 * head].view(4, 2, head)
     plain_q, plain_k = rope(positions, q.clone(), k.clone())
     rope.kernels = kernels
     fused_q, fused_k = rope(positions, q, k)  # strided views into qkv, rotated in place
@@ -196,3 +209,20 @@ def test_fused_decode_layers_equal_the_per_layer_path(make_checkpoint, arch, ove
             ]
         )
     assert results[0] == results[1]
+
+
+@needs_kernel
+def test_write_kv_cache_equals_index_copy():
+    kernels = get_cpu_kernels()
+    gen = torch.Generator().manual_seed(0)
+    num_kv, dim, num_blocks, block_size = 2, 64, 6, 4
+    qkv = torch.randn(5, (4 + 2 * num_kv) * dim, generator=gen).bfloat16()
+    k = qkv[:, 4 * dim : (4 + num_kv) * dim].view(5, num_kv, dim)  # strided rows, as in a layer
+    v = qkv[:, (4 + num_kv) * dim :].view(5, num_kv, dim)
+    slots = torch.tensor([3, 17, 4, 22, 0])
+    want = torch.zeros(2, num_kv, num_blocks, block_size, dim, dtype=torch.bfloat16)
+    got = want.clone()
+    for which, x in ((0, k), (1, v)):
+        want[which].view(num_kv, -1, dim).index_copy_(1, slots, x.transpose(0, 1))
+    kernels.write_kv_cache(got, k, v, slots)
+    assert torch.equal(got, want)

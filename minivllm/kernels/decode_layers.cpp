@@ -40,6 +40,25 @@ void write_cache(torch::Tensor& cache, int which, const at::BFloat16* src, int64
 
 }  // namespace
 
+// Writes the step's keys and values into a layer's paged cache [2, Hkv, NB, BS, D]:
+// k, v: [T, Hkv, D] (rows may be strided views into the fused qkv output); slots: [T].
+// Replaces two index_copy_ calls on transposed views (~0.25 ms a layer at 128 tokens).
+void write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
+  TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16 && kv_cache.is_contiguous() && kv_cache.dim() == 5,
+              "kv_cache: contiguous bf16 [2, Hkv, NB, BS, D]");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
+  const int64_t T = k.size(0), Hkv = kv_cache.size(1), D = kv_cache.size(4);
+  for (const auto& t : {k, v}) {
+    TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.dim() == 3 && t.size(0) == T && t.size(1) == Hkv &&
+                    t.size(2) == D && t.stride(2) == 1 && t.stride(1) == D,
+                "k, v: bf16 [T, Hkv, D] with each row's heads contiguous");
+  }
+  TORCH_CHECK(slot_mapping.numel() == T, "one slot per token");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  write_cache(kv_cache, 0, k.data_ptr<at::BFloat16>(), k.stride(0), slots, T, Hkv, D);
+  write_cache(kv_cache, 1, v.data_ptr<at::BFloat16>(), v.stride(0), slots, T, Hkv, D);
+}
+
 // hidden: [B, H] embeddings of the step's tokens; returns the final-normed hidden [B, H].
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                   std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,

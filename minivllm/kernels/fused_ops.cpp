@@ -2,27 +2,63 @@
 // dispatch overhead (not arithmetic) dominates: RMSNorm (optionally with the
 // residual add), neox rotary embedding in place, and SiLU-and-multiply.
 // Math in fp32, rounding to bf16 where the reference implementations round.
+// Vectorised 16 lanes at a time with a scalar tail: a 128-token prefill spent
+// ~25 ms of its ~350 in the scalar versions (SiLU alone 12 ms).
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <cmath>
+
+#include "kernels.h"
 
 using bf16 = at::BFloat16;
 
 namespace {
 
+inline __m512 load16(const bf16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// fp32 -> bf16, round to nearest even (as at::BFloat16's constructor)
+inline __m512 round16(__m512 v) {
+  __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
+inline void store16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
 void rms_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t H, float eps) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < H; ++i) {
+  const int64_t Hv = H & ~int64_t(15);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < Hv; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  float sum = _mm512_reduce_add_ps(acc);
+  for (int64_t i = Hv; i < H; ++i) {
     float v = static_cast<float>(x[i]);
     sum += v * v;
   }
   const float inv = 1.f / std::sqrt(sum / H + eps);
-  for (int64_t i = 0; i < H; ++i) {
-    // like transformers: normalise in fp32, round to bf16, then scale by the weight
+  // like transformers: normalise in fp32, round to bf16, then scale by the weight
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < Hv; i += 16)
+    store16(out + i, _mm512_mul_ps(round16(_mm512_mul_ps(load16(x + i), iv)), load16(w + i)));
+  for (int64_t i = Hv; i < H; ++i) {
     bf16 normed = bf16(static_cast<float>(x[i]) * inv);
     out[i] = bf16(static_cast<float>(normed) * static_cast<float>(w[i]));
   }
+}
+
+// r = bf16(x + r), in place
+void add_row(const bf16* x, bf16* r, int64_t H) {
+  const int64_t Hv = H & ~int64_t(15);
+  for (int64_t i = 0; i < Hv; i += 16) store16(r + i, _mm512_add_ps(load16(x + i), load16(r + i)));
+  for (int64_t i = Hv; i < H; ++i) r[i] = bf16(static_cast<float>(x[i]) + static_cast<float>(r[i]));
 }
 
 }  // namespace
@@ -53,8 +89,7 @@ torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch:
   auto op = out.data_ptr<bf16>();
   at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      for (int64_t i = 0; i < H; ++i)
-        rp[r * H + i] = bf16(static_cast<float>(xp[r * H + i]) + static_cast<float>(rp[r * H + i]));
+      add_row(xp + r * H, rp + r * H, H);
       rms_norm_row(rp + r * H, wp, op + r * H, H, (float)eps);
     }
   });
@@ -76,9 +111,17 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pp[t] * rot;
       const float* s = sp + pp[t] * rot;
+      const int64_t hv = half & ~int64_t(15);
       for (int64_t h = 0; h < heads; ++h) {
         bf16* v = xp + t * row_stride + h * D;
-        for (int64_t i = 0; i < half; ++i) {
+        for (int64_t i = 0; i < hv; i += 16) {
+          const __m512 a = load16(v + i), bb = load16(v + i + half);
+          const __m512 ca = round16(_mm512_loadu_ps(c + i)), sa = round16(_mm512_loadu_ps(s + i));
+          const __m512 cb = round16(_mm512_loadu_ps(c + i + half)), sb = round16(_mm512_loadu_ps(s + i + half));
+          store16(v + i, _mm512_sub_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(bb, sa)));
+          store16(v + i + half, _mm512_add_ps(_mm512_mul_ps(bb, cb), _mm512_mul_ps(a, sb)));
+        }
+        for (int64_t i = hv; i < half; ++i) {
           float a = v[i], bb = v[i + half];
           // cos/sin are rounded to bf16 first, as the reference casts them to the input dtype
           float ca = static_cast<float>(bf16(c[i])), sa = static_cast<float>(bf16(s[i]));
@@ -100,9 +143,17 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto out = torch::empty(sizes, xc.options());
   auto xp = xc.data_ptr<bf16>();
   auto op = out.data_ptr<bf16>();
+  const int64_t Iv = I & ~int64_t(15);
+  const __m512 one = _mm512_set1_ps(1.f);
   at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
-      for (int64_t i = 0; i < I; ++i) {
+      const bf16* gate = xp + r * 2 * I;
+      for (int64_t i = 0; i < Iv; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 act = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        store16(op + r * I + i, _mm512_mul_ps(act, load16(gate + I + i)));
+      }
+      for (int64_t i = Iv; i < I; ++i) {
         float g = xp[r * 2 * I + i];
         bf16 act = bf16(g / (1.f + std::exp(-g)));
         op[r * I + i] = bf16(static_cast<float>(act) * static_cast<float>(xp[r * 2 * I + I + i]));

@@ -146,5 +146,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "bf16 weight-streaming GEMV (AVX512-BF16)", nogil);
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);
   m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache", nogil);
+  m.def("write_kv_cache", &write_kv_cache, "write a step's keys and values into the paged cache", nogil);
   m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention", nogil);
 }

@@ -25,6 +25,24 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Lane i of the result is the sum of the 16 lanes of v[i].
+inline __m512 sum16(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)  // each 128-bit lane j: [a_j0+a_j2, b_j0+b_j2, a_j1+a_j3, b_j1+b_j3]
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // each lane j: lane j's sums of v[4i .. 4i + 3]
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  constexpr int EVEN = _MM_SHUFFLE(2, 0, 2, 0), ODD = _MM_SHUFFLE(3, 1, 3, 1);
+  for (int i = 0; i < 2; ++i)  // pairs of 128-bit lanes added: [y0 l0+l1, y0 l2+l3, y1 l0+l1, y1 l2+l3]
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], EVEN),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], ODD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], EVEN), _mm512_shuffle_f32x4(z[0], z[1], ODD));
+}
+
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
 torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
@@ -32,6 +50,7 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, tor
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_table, int64_t num_context, double scale,
                                 int64_t window);
+void write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);

@@ -34,17 +34,22 @@ class Attention(nn.Module):
         # Optional fused decode and prefill kernels (bf16 CPU), set by the model runner.
         self.decode_kernel: Callable[..., torch.Tensor] | None = None
         self.prefill_kernel: Callable[..., torch.Tensor] | None = None
+        self.cache_write_kernel: Callable[..., None] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k and v: [T, Hkv*D] -> [T, H*D]."""
         meta = get_attention_metadata()
         q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim).transpose(0, 1)  # [Hkv, T, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         flat_k = self.kv_cache[0].view(self.num_kv_heads, -1, self.head_dim)  # [Hkv, slots, D]
         flat_v = self.kv_cache[1].view(self.num_kv_heads, -1, self.head_dim)
-        flat_k.index_copy_(1, meta.slot_mapping, k)
-        flat_v.index_copy_(1, meta.slot_mapping, v)
+        if self.cache_write_kernel is not None and k.dtype == self.kv_cache.dtype:
+            self.cache_write_kernel(self.kv_cache, k, v, meta.slot_mapping)
+        else:
+            flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))  # [Hkv, T, D]
+            flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
         out = torch.empty_like(q)
         if meta.decode_req_indices:
             self._decode(q, meta, out)

@@ -63,9 +63,11 @@ class ModelRunner:
             return
         count = use_cpu_kernels(self.model, kernels)
         for layer in self.attention_layers:
+            layer.cache_write_kernel = kernels.write_kv_cache
             if layer.head_dim % 32 == 0:
-                layer.decode_kernel = kernels.paged_attention_decode
                 layer.prefill_kernel = kernels.prefill_attention
+                if layer.head_dim <= 256:  # the decode kernel's templates go up to 256
+                    layer.decode_kernel = kernels.paged_attention_decode
         from minivllm.layers.fused_decode import FusedLlamaDecode
 
         self.fused_decode = FusedLlamaDecode.build(self.model, kernels)
