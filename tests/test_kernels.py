@@ -193,7 +193,9 @@ def test_fused_decode_layers_equal_the_per_layer_path(make_checkpoint, arch, ove
     )
     runner = llm.llm_engine.executor.runner
     assert runner.fused_decode is not None
-    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 1)]
+    assert hasattr(runner.model.model.layers[0].mlp.down_proj, "packed_weight")
+    # 20 requests: past MAX_KERNEL_ROWS_PACKED rows, so the oneDNN-packed linears run too
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 1, *range(2, 19))]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
     results = []
     for fused in (runner.fused_decode, None):
@@ -226,3 +228,33 @@ def test_write_kv_cache_equals_index_copy():
         want[which].view(num_kv, -1, dim).index_copy_(1, slots, x.transpose(0, 1))
     kernels.write_kv_cache(got, k, v, slots)
     assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 16, 17, 40, 130])
+def test_cpu_linear_method_matches_f_linear_with_and_without_packed_weights(rows):
+    from minivllm.layers.cpu_linear import CpuGemvLinearMethod, pack_weights
+
+    gen = torch.Generator().manual_seed(rows)
+    layer = torch.nn.Linear(96, 80, bias=True).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    want = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
+    method = CpuGemvLinearMethod(get_cpu_kernels())
+    assert pack_weights([layer], available_bytes=layer.weight.nbytes * 8 - 1) == 0  # no room
+    plain = method.apply(layer, x, layer.bias)
+    assert pack_weights([layer], available_bytes=1 << 30) == layer.weight.nbytes
+    packed = method.apply(layer, x, layer.bias)
+    for got in (plain, packed):
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=2**-7)
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [1, 37, 160, 1003])
+def test_argmax_bf16_equals_torch_argmax_with_ties(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    # few distinct values: many ties, which torch resolves to the first index
+    logits = torch.randint(-3, 4, (9, vocab), generator=gen).bfloat16()
+    logits[0] = float("-inf")
+    logits[1, -1] = 100.0  # the maximum in the scalar tail
+    got = get_cpu_kernels().argmax_bf16(logits)
+    assert torch.equal(got, logits.float().argmax(dim=-1))

@@ -116,11 +116,11 @@ def default_kv_cache_bytes(device: str, model_bytes: int) -> int:
     if device == "cuda":
         free, _ = torch.cuda.mem_get_info()
         return max(int(free * 0.9) - (1 << 30), 1 << 26)
-    available = _available_host_bytes()
+    available = available_host_bytes()
     return max(available // 4, 1 << 26)
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
     try:
         with open("/proc/meminfo") as f:
             for line in f:

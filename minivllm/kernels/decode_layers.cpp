@@ -10,9 +10,11 @@
 // write k, v to the paged cache -> paged attention -> O -> add & RMSNorm -> gate/up
 // -> SiLU-and-mul -> down; the residual stream is carried in bf16 as in the
 // Python path.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "kernels.h"
@@ -38,6 +40,29 @@ void write_cache(torch::Tensor& cache, int which, const at::BFloat16* src, int64
                   D * sizeof(at::BFloat16));
 }
 
+// y = x W^T + b on a oneDNN-prepacked weight (see layers/cpu_linear.py), through the
+// dispatcher: the op has no public C++ entry point.
+torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  std::vector<c10::IValue> stack;
+  stack.emplace_back(x);
+  stack.emplace_back(packed);
+  stack.emplace_back(bias.numel() ? c10::IValue(bias) : c10::IValue());
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+// The weight-streaming kernel up to max_kernel_rows rows (or without a packed copy).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                     const torch::Tensor& packed, int64_t max_kernel_rows) {
+  if (packed.numel() && x.size(0) > max_kernel_rows) return packed_linear(x, packed, bias);
+  return gemv_bf16(x, w, maybe(bias));
+}
+
 }  // namespace
 
 // Writes the step's keys and values into a layer's paged cache [2, Hkv, NB, BS, D]:
@@ -61,6 +86,7 @@ void write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, to
 
 // hidden: [B, H] embeddings of the step's tokens; returns the final-normed hidden [B, H].
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
+                                  std::vector<torch::Tensor> packed, int64_t max_kernel_rows,
                                   std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
                                   torch::Tensor final_norm, torch::Tensor positions,
                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
@@ -69,6 +95,7 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
                                   double eps, double scale) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * NUM_SLOTS, "weights: 12 per layer");
+  TORCH_CHECK(static_cast<int64_t>(packed.size()) == L * 4, "packed: qkv, o, gate_up, down per layer");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "one window per layer");
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "hidden: bf16 [B, H]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
@@ -84,7 +111,8 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
     } else {
       h = fused_add_rms_norm(h, residual, w[IN_NORM], eps);
     }
-    torch::Tensor qkv = gemv_bf16(h, w[QKV_W], maybe(w[QKV_B]));  // [B, q + 2 kv]
+    const torch::Tensor* pk = packed.data() + l * 4;  // empty tensors where not packed
+    torch::Tensor qkv = linear(h, w[QKV_W], w[QKV_B], pk[0], max_kernel_rows);  // [B, q + 2 kv]
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, D});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, D});
     if (w[Q_NORM].numel()) q = rms_norm(q, w[Q_NORM], eps);
@@ -97,10 +125,10 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
                 num_kv_heads, D);
     torch::Tensor attn = paged_attention_decode(q, cache[0], cache[1], block_tables, seq_lens, scale,
                                                 windows[l]);
-    torch::Tensor o = gemv_bf16(attn.view({B, q_size}), w[O_W], maybe(w[O_B]));
+    torch::Tensor o = linear(attn.view({B, q_size}), w[O_W], w[O_B], pk[1], max_kernel_rows);
     h = fused_add_rms_norm(o, residual, w[POST_NORM], eps);
-    torch::Tensor act = silu_and_mul(gemv_bf16(h, w[GATE_UP_W], maybe(w[GATE_UP_B])));
-    h = gemv_bf16(act, w[DOWN_W], maybe(w[DOWN_B]));
+    torch::Tensor act = silu_and_mul(linear(h, w[GATE_UP_W], w[GATE_UP_B], pk[2], max_kernel_rows));
+    h = linear(act, w[DOWN_W], w[DOWN_B], pk[3], max_kernel_rows);
   }
   return fused_add_rms_norm(h, residual, final_norm, eps);
 }

@@ -162,3 +162,47 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   });
   return out;
 }
+
+// Row-wise argmax of bf16 logits [rows, V] -> int64 [rows]; the first index on ties, as
+// torch.argmax. Greedy sampling at batch 64 spent ~15 ms a step converting the logits
+// to fp32 first (and torch's bf16 argmax is slower still). NaNs are never the maximum.
+torch::Tensor argmax_bf16(torch::Tensor logits) {
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 && logits.dim() == 2, "logits: bf16 [rows, V]");
+  TORCH_CHECK(logits.size(1) >= 1, "an empty vocabulary");
+  auto lc = logits.contiguous();
+  const int64_t rows = lc.size(0), V = lc.size(1), Vv = V & ~int64_t(15);
+  auto out = torch::empty({rows}, lc.options().dtype(at::kLong));
+  auto lp = lc.data_ptr<bf16>();
+  auto op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const bf16* x = lp + r * V;
+      // per lane: the largest value seen and where it was first seen
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      __m512i where = _mm512_set1_epi32(-1);
+      __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      const __m512i step = _mm512_set1_epi32(16);
+      for (int64_t i = 0; i < Vv; i += 16) {
+        const __m512 v = load16(x + i);
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, greater, v);
+        where = _mm512_mask_mov_epi32(where, greater, idx);
+        idx = _mm512_add_epi32(idx, step);
+      }
+      alignas(64) float bv[16];
+      alignas(64) int32_t bi[16];
+      _mm512_store_ps(bv, best);
+      _mm512_store_si512(bi, where);
+      float top = -INFINITY;
+      int64_t arg = -1;
+      for (int l = 0; l < 16; ++l)
+        if (bi[l] >= 0 && (bv[l] > top || (bv[l] == top && bi[l] < arg))) top = bv[l], arg = bi[l];
+      for (int64_t i = Vv; i < V; ++i) {
+        const float v = static_cast<float>(x[i]);
+        if (v > top) top = v, arg = i;
+      }
+      op[r] = arg < 0 ? 0 : arg;  // all -inf or NaN: index 0, like a row of equal values
+    }
+  });
+  return out;
+}

@@ -55,7 +55,9 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor argmax_bf16(torch::Tensor logits);
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
+                                  std::vector<torch::Tensor> packed, int64_t max_kernel_rows,
                                   std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
                                   torch::Tensor final_norm, torch::Tensor positions,
                                   torch::Tensor slot_mapping, torch::Tensor block_tables,

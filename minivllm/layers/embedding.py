@@ -52,12 +52,12 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
-        self.linear_method: object | None = None  # a backend with `matmul(x, weight, bias)`
+        self.linear_method: object | None = None  # a backend with `apply(layer, x, bias)`
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.linear_method is None:
             local = F.linear(hidden, self.weight)
         else:
-            local = self.linear_method.matmul(hidden, self.weight, None)
+            local = self.linear_method.apply(self, hidden, None)
         logits = tp_all_gather(local, dim=-1)
         return logits[..., : self.vocab_size]

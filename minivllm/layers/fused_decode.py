@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from minivllm.layers.cpu_linear import CpuGemvLinearMethod
+from minivllm.layers.cpu_linear import MAX_KERNEL_ROWS_PACKED, CpuGemvLinearMethod
 from minivllm.layers.forward_context import AttentionMetadata
 from minivllm.layers.rotary import RotaryEmbedding
 
@@ -36,8 +36,15 @@ class FusedLlamaDecode:
         self.windows = [a.sliding_window or 0 for a in self.attention]
         none = torch.empty(0, dtype=torch.bfloat16)
         self.weights: list[torch.Tensor] = []
+        self.packed: list[
+            torch.Tensor
+        ] = []  # oneDNN copies for batches over MAX_KERNEL_ROWS_PACKED
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
+            self.packed += [
+                getattr(lin, "packed_weight", none)
+                for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            ]
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.weights += [
                 layer.input_layernorm.weight,
@@ -103,6 +110,8 @@ class FusedLlamaDecode:
         return self.kernels.llama_decode_layers(
             self.embed(input_ids),
             self.weights,
+            self.packed,
+            MAX_KERNEL_ROWS_PACKED,
             [a.kv_cache for a in self.attention],
             self.windows,
             self.final_norm,

@@ -10,6 +10,7 @@ depend on the rest of the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,8 +40,17 @@ class SamplingMetadata:
 class Sampler:
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator  # for rows without a seed
+        # bf16 logits [B, V] -> argmax [B] without an fp32 copy (the CPU kernels' argmax_bf16)
+        self.argmax_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        if (
+            meta.all_greedy
+            and self.argmax_kernel is not None
+            and logits.dtype == torch.bfloat16
+            and not changes_logits(meta)
+        ):
+            return self.argmax_kernel(logits)
         logits = logits.float()
         logits = self._apply_biases(logits, meta)
         logits = apply_penalties(logits, meta)
@@ -69,6 +79,16 @@ class Sampler:
         for row, gen in generators.items():
             noise[row].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
+
+
+def changes_logits(meta: SamplingMetadata) -> bool:
+    """Whether biases, bans or penalties apply before the argmax."""
+    return (
+        meta.logit_bias is not None
+        or bool(meta.banned_token_ids)
+        or meta.repetition_penalty is not None
+        or meta.frequency_penalty is not None
+    )
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -44,10 +44,10 @@ class ModelRunner:
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         # Steps where every request decodes may run all layers in one kernel call (CPU bf16).
         self.fused_decode: Callable[..., torch.Tensor] | None = None
-        self._select_cpu_kernels()
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator)
+        self._select_cpu_kernels()
         self.requests: dict[str, CachedRequestState] = {}
 
     def _select_cpu_kernels(self) -> None:
@@ -55,13 +55,17 @@ class ModelRunner:
             return
         if self.config.model.dtype != torch.bfloat16:
             return
+        from minivllm.engine.arg_utils import available_host_bytes
         from minivllm.kernels import get_cpu_kernels
         from minivllm.layers.cpu_linear import use_cpu_kernels
 
         kernels = get_cpu_kernels()
         if kernels is None:
             return
-        count = use_cpu_kernels(self.model, kernels)
+        parallel = self.config.parallel
+        ranks_here = max(1, parallel.tensor_parallel_size // parallel.nnodes)  # share this host
+        count = use_cpu_kernels(self.model, kernels, available_host_bytes() // ranks_here)
+        self.sampler.argmax_kernel = kernels.argmax_bf16
         for layer in self.attention_layers:
             layer.cache_write_kernel = kernels.write_kv_cache
             if layer.head_dim % 32 == 0:
