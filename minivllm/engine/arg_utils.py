@@ -33,7 +33,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # 128 on CPU (as vLLM's CPU backend), 16 on CUDA
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
@@ -78,10 +78,11 @@ class EngineArgs:
             eos_token_ids=read_eos_token_ids(model_dir, hf_config),
         )
         batched = self.max_num_batched_tokens or max(4096, min(max_model_len, 8192))
+        block_size = self.block_size or default_block_size(device)
         return EngineConfig(
             model=model,
             cache=CacheConfig(
-                self.block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching
+                block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len),
             parallel=ParallelConfig(
@@ -109,6 +110,15 @@ def resolve_init_method(init_method: str | None, nnodes: int) -> str | None:
         return init_method
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     return f"tcp://{addr}:{port}" if addr and port else None
+
+
+def default_block_size(device: str) -> int:
+    """Tokens per KV block. On CPU, as in vLLM's CPU backend, 128: a request's decode
+    blocks are then few and long, and decode attention reads them at ~19 GB/s where
+    scattered 16-token blocks (4 KB per head) read at ~14 GB/s on this project's VM
+    (64 x (256 in, 128 out) offline: 78 s against 81 s). Prefix caching then
+    shares whole 128-token blocks."""
+    return 128 if device == "cpu" else 16
 
 
 def default_kv_cache_bytes(device: str, model_bytes: int) -> int:

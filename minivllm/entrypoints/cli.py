@@ -86,7 +86,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         type=_positive_int,
         default=d["block_size"],
-        help="tokens per KV block (default: %(default)s)",
+        help="tokens per KV block, a power of two (default: 128 on CPU, 16 on CUDA)",
     )
     cache.add_argument(
         "--kv-cache-memory-bytes",
