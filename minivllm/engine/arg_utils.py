@@ -81,9 +81,7 @@ class EngineArgs:
         block_size = self.block_size or default_block_size(device)
         return EngineConfig(
             model=model,
-            cache=CacheConfig(
-                block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching
-            ),
+            cache=CacheConfig(block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,
