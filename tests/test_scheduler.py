@@ -129,17 +129,3 @@ def test_length_and_stop_token_rules():
     (result,) = s.update(out, ModelRunnerOutput(sampled_token_ids={"a": [9]}))
     assert result.finish_reason == "stop" and result.stop_reason == 9
     assert s.kv.pool.num_free_blocks == 8
-
-
-def test_serve_defaults_to_a_smaller_step_budget_than_the_llm_class():
-    from minivllm.entrypoints.cli import (
-        SERVE_MAX_NUM_BATCHED_TOKENS,
-        build_parser,
-        serve_engine_args,
-    )
-
-    default = serve_engine_args(build_parser().parse_args(["serve", "demo-base"]))
-    assert default.max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
-    assert default.create_engine_config().scheduler.max_num_batched_tokens == 2048
-    chosen = build_parser().parse_args(["serve", "demo-base", "--max-num-batched-tokens", "640"])
-    assert serve_engine_args(chosen).max_num_batched_tokens == 640

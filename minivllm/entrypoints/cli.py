@@ -24,11 +24,6 @@ _ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 _API_KEY_ENV = "MINIVLLM_API_KEY"
 DEFAULT_MODEL = "demo-base"  # bundled, so `minivllm serve` works offline on a fresh machine
-# A server's default step budget is smaller than the LLM class's, as in vLLM's CPU
-# platform (2048 for its OpenAI server, 4096 offline): a burst of prompts is then
-# prefilled over several steps, so the first requests get their first token after one
-# step of 2048 tokens (~5 s on 2 cores) rather than after the whole burst's prefill.
-SERVE_MAX_NUM_BATCHED_TOKENS = 2048
 
 
 def byte_size(text: str) -> int:
@@ -115,8 +110,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="TOKENS",
         type=_positive_int,
         default=d["max_num_batched_tokens"],
-        help=f"token budget of one step (default: {SERVE_MAX_NUM_BATCHED_TOKENS} for serve, "
-        "max(4096, min(max_model_len, 8192)) for the LLM class)",
+        help="token budget of one step (default: max(4096, min(max_model_len, 8192)))",
     )
 
     run = parser.add_argument_group("parallelism and execution")
@@ -237,14 +231,6 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     )
 
 
-def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
-    """Engine arguments for `minivllm serve`: the server's own default step budget."""
-    engine_args = engine_args_from(args)
-    if engine_args.max_num_batched_tokens is None:
-        engine_args.max_num_batched_tokens = SERVE_MAX_NUM_BATCHED_TOKENS
-    return engine_args
-
-
 def read_chat_template(value: str | None) -> str | None:
     """A file's contents, or the value itself if it looks like a Jinja template."""
     if value is None:
@@ -264,7 +250,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from minivllm.metrics import EngineMetrics
 
     try:
-        engine_args = serve_engine_args(args)
+        engine_args = engine_args_from(args)
         config = ServerConfig(
             host=args.host,
             port=args.port,
