@@ -124,3 +124,44 @@ def test_async_llm_dead_tensor_parallel_worker_is_fatal(
             await async_llm.add_request({"prompt_token_ids": [5, 6]}, params, "b")
 
     _run_async_llm(engine, body)
+
+
+def test_engine_is_built_and_stepped_on_one_thread(
+    qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One thread runs all torch work, so the process has one OpenMP team (see from_engine_args)."""
+    import threading
+
+    from minivllm import SamplingParams
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.engine.llm_engine import LLMEngine
+
+    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+    build, step = LLMEngine.from_engine_args.__func__, LLMEngine.step
+
+    def recording_build(cls: type, args: EngineArgs) -> LLMEngine:
+        threads["build"].add(threading.get_ident())
+        return build(cls, args)
+
+    def recording_step(self: LLMEngine) -> Any:
+        threads["step"].add(threading.get_ident())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "from_engine_args", classmethod(recording_build))
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    args = EngineArgs(str(qwen3_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    async_llm = AsyncLLM.from_engine_args(args)
+
+    async def main() -> None:
+        async_llm.start()
+        try:
+            params = SamplingParams(max_tokens=3, ignore_eos=True)
+            async for _ in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "r"):
+                pass
+        finally:
+            await async_llm.shutdown()
+
+    asyncio.run(main())
+    assert len(threads["build"]) == 1 and threads["build"] == threads["step"]
+    assert threading.get_ident() not in threads["build"]
