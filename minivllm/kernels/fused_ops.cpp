@@ -16,26 +16,11 @@ using bf16 = at::BFloat16;
 
 namespace {
 
-inline __m512 load16(const bf16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// fp32 -> bf16, round to nearest even (as at::BFloat16's constructor)
-inline __m512 round16(__m512 v) {
-  __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-}
-
-inline void store16(bf16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
-}
-
 void rms_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t H, float eps) {
   const int64_t Hv = H & ~int64_t(15);
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < Hv; i += 16) {
-    const __m512 v = load16(x + i);
+    const __m512 v = load_bf16x16(x + i);
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   float sum = _mm512_reduce_add_ps(acc);
@@ -47,7 +32,7 @@ void rms_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t H, float eps)
   // like transformers: normalise in fp32, round to bf16, then scale by the weight
   const __m512 iv = _mm512_set1_ps(inv);
   for (int64_t i = 0; i < Hv; i += 16)
-    store16(out + i, _mm512_mul_ps(round16(_mm512_mul_ps(load16(x + i), iv)), load16(w + i)));
+    store_bf16x16(out + i, _mm512_mul_ps(round_bf16x16(_mm512_mul_ps(load_bf16x16(x + i), iv)), load_bf16x16(w + i)));
   for (int64_t i = Hv; i < H; ++i) {
     bf16 normed = bf16(static_cast<float>(x[i]) * inv);
     out[i] = bf16(static_cast<float>(normed) * static_cast<float>(w[i]));
@@ -57,7 +42,7 @@ void rms_norm_row(const bf16* x, const bf16* w, bf16* out, int64_t H, float eps)
 // r = bf16(x + r), in place
 void add_row(const bf16* x, bf16* r, int64_t H) {
   const int64_t Hv = H & ~int64_t(15);
-  for (int64_t i = 0; i < Hv; i += 16) store16(r + i, _mm512_add_ps(load16(x + i), load16(r + i)));
+  for (int64_t i = 0; i < Hv; i += 16) store_bf16x16(r + i, _mm512_add_ps(load_bf16x16(x + i), load_bf16x16(r + i)));
   for (int64_t i = Hv; i < H; ++i) r[i] = bf16(static_cast<float>(x[i]) + static_cast<float>(r[i]));
 }
 
@@ -115,11 +100,11 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
       for (int64_t h = 0; h < heads; ++h) {
         bf16* v = xp + t * row_stride + h * D;
         for (int64_t i = 0; i < hv; i += 16) {
-          const __m512 a = load16(v + i), bb = load16(v + i + half);
-          const __m512 ca = round16(_mm512_loadu_ps(c + i)), sa = round16(_mm512_loadu_ps(s + i));
-          const __m512 cb = round16(_mm512_loadu_ps(c + i + half)), sb = round16(_mm512_loadu_ps(s + i + half));
-          store16(v + i, _mm512_sub_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(bb, sa)));
-          store16(v + i + half, _mm512_add_ps(_mm512_mul_ps(bb, cb), _mm512_mul_ps(a, sb)));
+          const __m512 a = load_bf16x16(v + i), bb = load_bf16x16(v + i + half);
+          const __m512 ca = round_bf16x16(_mm512_loadu_ps(c + i)), sa = round_bf16x16(_mm512_loadu_ps(s + i));
+          const __m512 cb = round_bf16x16(_mm512_loadu_ps(c + i + half)), sb = round_bf16x16(_mm512_loadu_ps(s + i + half));
+          store_bf16x16(v + i, _mm512_sub_ps(_mm512_mul_ps(a, ca), _mm512_mul_ps(bb, sa)));
+          store_bf16x16(v + i + half, _mm512_add_ps(_mm512_mul_ps(bb, cb), _mm512_mul_ps(a, sb)));
         }
         for (int64_t i = hv; i < half; ++i) {
           float a = v[i], bb = v[i + half];
@@ -149,9 +134,9 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
     for (int64_t r = b; r < e; ++r) {
       const bf16* gate = xp + r * 2 * I;
       for (int64_t i = 0; i < Iv; i += 16) {
-        const __m512 g = load16(gate + i);
-        const __m512 act = round16(_mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-        store16(op + r * I + i, _mm512_mul_ps(act, load16(gate + I + i)));
+        const __m512 g = load_bf16x16(gate + i);
+        const __m512 act = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+        store_bf16x16(op + r * I + i, _mm512_mul_ps(act, load_bf16x16(gate + I + i)));
       }
       for (int64_t i = Iv; i < I; ++i) {
         float g = xp[r * 2 * I + i];
@@ -183,7 +168,7 @@ torch::Tensor argmax_bf16(torch::Tensor logits) {
       __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       const __m512i step = _mm512_set1_epi32(16);
       for (int64_t i = 0; i < Vv; i += 16) {
-        const __m512 v = load16(x + i);
+        const __m512 v = load_bf16x16(x + i);
         const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
         best = _mm512_mask_mov_ps(best, greater, v);
         where = _mm512_mask_mov_epi32(where, greater, idx);

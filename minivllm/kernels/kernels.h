@@ -25,6 +25,23 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 bf16 values widened to fp32 (exact: bf16 is the top half of an fp32).
+inline __m512 load_bf16x16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// fp32 -> bf16, round to nearest even (as at::BFloat16's constructor), stored.
+inline void store_bf16x16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// fp32 rounded to the nearest bf16, kept as fp32.
+inline __m512 round_bf16x16(__m512 v) {
+  const __m256i b = (__m256i)_mm512_cvtneps_pbh(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+}
+
 // Lane i of the result is the sum of the 16 lanes of v[i].
 inline __m512 sum16(const __m512* v) {
   __m512 x[8], y[4], z[2];

@@ -35,11 +35,6 @@ namespace {
 using bf16 = at::BFloat16;
 constexpr int CHUNK = 16;  // tokens per chunk: one vector of scores per head
 
-inline __m512 bf16x16_to_fp32(const bf16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // Raw scores <q, k_t> of one head for the n (<= 16) keys at rows k[0, n), D = 32 * ND.
 // Rows past n repeat row n - 1 (always valid memory); the caller masks their lanes.
 template <int ND>
@@ -67,7 +62,7 @@ inline void pv_chunk(const bf16* v, int n, int64_t D, const float* p, const floa
   }
   for (int t = 0; t < n; ++t) {
     __m512 vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = bf16x16_to_fp32(v + t * D + 16 * c);
+    for (int c = 0; c < CH; ++c) vv[c] = load_bf16x16(v + t * D + 16 * c);
     for (int g = 0; g < GT; ++g) {
       const __m512 pt = _mm512_set1_ps(p[g * CHUNK + t]);
       for (int c = 0; c < CH; ++c) a[g][c] = _mm512_fmadd_ps(pt, vv[c], a[g][c]);
@@ -148,8 +143,7 @@ void attend_one(const bf16* q, const bf16* k_head, const bf16* v_head, const std
   for (int64_t g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(1.f / l[g]);
     for (int64_t d = 0; d < D; d += 16) {
-      const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d), inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * D + d), (__m256i)_mm512_cvtneps_pbh(o));
+      store_bf16x16(out + g * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + d), inv));
     }
   }
 }

@@ -50,11 +50,11 @@ class CpuGemvLinearMethod(UnquantizedLinearMethod):
         rows = x.reshape(-1, x.shape[-1])
         if x.dtype != torch.bfloat16:
             return F.linear(x, weight, bias)
-        if rows.shape[0] > (MAX_KERNEL_ROWS if packed is None else MAX_KERNEL_ROWS_PACKED):
-            if packed is None:
-                return F.linear(x, weight, bias)
+        if rows.shape[0] <= (MAX_KERNEL_ROWS if packed is None else MAX_KERNEL_ROWS_PACKED):
+            return self.kernels.gemv_bf16(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        if packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-        return self.kernels.gemv_bf16(rows, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
 
 
 def pack_weights(linears: list[nn.Module], available_bytes: int) -> int:

@@ -36,9 +36,8 @@ class FusedLlamaDecode:
         self.windows = [a.sliding_window or 0 for a in self.attention]
         none = torch.empty(0, dtype=torch.bfloat16)
         self.weights: list[torch.Tensor] = []
-        self.packed: list[
-            torch.Tensor
-        ] = []  # oneDNN copies for batches over MAX_KERNEL_ROWS_PACKED
+        # oneDNN-prepacked copies (or empty) for batches over MAX_KERNEL_ROWS_PACKED rows
+        self.packed: list[torch.Tensor] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             self.packed += [

@@ -62,9 +62,9 @@ class ModelRunner:
         kernels = get_cpu_kernels()
         if kernels is None:
             return
-        parallel = self.config.parallel
-        ranks_here = max(1, parallel.tensor_parallel_size // parallel.nnodes)  # share this host
-        count = use_cpu_kernels(self.model, kernels, available_host_bytes() // ranks_here)
+        # the ranks of one host share its memory
+        available = available_host_bytes() // self.config.parallel.ranks_per_node
+        count = use_cpu_kernels(self.model, kernels, available)
         self.sampler.argmax_kernel = kernels.argmax_bf16
         for layer in self.attention_layers:
             layer.cache_write_kernel = kernels.write_kv_cache
