@@ -258,3 +258,21 @@ def test_argmax_bf16_equals_torch_argmax_with_ties(vocab):
     logits[1, -1] = 100.0  # the maximum in the scalar tail
     got = get_cpu_kernels().argmax_bf16(logits)
     assert torch.equal(got, logits.float().argmax(dim=-1))
+
+
+@needs_kernel
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path):
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    built = os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "kernels")
+    cache = tmp_path / ".cache" / "minivllm" / "kernels"
+    shutil.copytree(built, cache)  # up to date: no rebuild, only the lock to get past
+    (cache / "minivllm.lock").unlink(missing_ok=True)
+    (cache / "lock").touch()  # what torch's FileBaton leaves when its builder is killed
+    code = "from minivllm.kernels import get_cpu_kernels; assert get_cpu_kernels() is not None"
+    env = {**os.environ, "HOME": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert not (cache / "lock").exists()

@@ -6,6 +6,7 @@ CPU lacks the instructions, the compiler is missing, or the build fails.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -28,8 +29,6 @@ def cpu_has_avx512_bf16() -> bool:
 def get_cpu_kernels() -> ModuleType | None:
     if not cpu_has_avx512_bf16():
         return None
-    from torch.utils.cpp_extension import load
-
     build_dir = os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "kernels")
     os.makedirs(build_dir, exist_ok=True)
     here = os.path.dirname(__file__)
@@ -51,6 +50,21 @@ def get_cpu_kernels() -> ModuleType | None:
         logger.info(
             "compiling minivllm's CPU kernels into %s (first run only, about a minute)", build_dir
         )
+    # torch's build lock is a plain file: a process killed mid-build leaves it behind and
+    # every later start waits on it forever. Our flock dies with its holder, and every
+    # build into this directory takes it first, so a torch lock found under it is stale.
+    with open(os.path.join(build_dir, "minivllm.lock"), "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
+            os.remove(stale)
+        return _build(build_dir, sources, header_hash)
+
+
+def _build(build_dir: str, sources: list[str], header_hash: str) -> ModuleType | None:
+    from torch.utils.cpp_extension import load
+
     try:
         return load(
             name="minivllm_cpu_kernels",
