@@ -155,9 +155,13 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
-    enforce_eager: bool = True
-    # bf16 on CPU: route decode-sized linears through minivllm's AVX512-BF16 kernel.
+    # Run every step layer by layer in Python: no whole-step replay (today the one-call
+    # fused decode step; CUDA graphs where they come). For debugging and comparisons.
+    enforce_eager: bool = False
+    # Use minivllm's compiled kernels where the device, dtype and CPU have them.
     cpu_kernels: bool = True
+    # An attention backend by name (`layers/attention/registry.py`); None picks for the machine.
+    attention_backend: str | None = None
 
     def __post_init__(self) -> None:
         self.parallel.verify(self.model.hf_config, self.device)

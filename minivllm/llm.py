@@ -24,7 +24,8 @@ class LLM:
     `max_num_batched_tokens`, `block_size`, `kv_cache_memory_bytes`,
     `enable_prefix_caching`, `trust_remote_code`, `device`, `tensor_parallel_size`
     (with `nnodes` and `distributed_init_method` for several hosts),
-    `enforce_eager`. Unknown keywords raise `TypeError` naming them.
+    `enforce_eager` (every step layer by layer), and minivllm's own `cpu_kernels` and
+    `attention_backend`. Unknown keywords raise `TypeError` naming them.
     """
 
     def __init__(self, model: str, **kwargs: Any) -> None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from minivllm.engine.scheduler import SchedulerStats
+from minivllm.engine.scheduler_output import SchedulerStats
 from minivllm.outputs import RequestOutput
 
 # Latency buckets in seconds (vLLM's, trimmed): from one fast decode step to a long request.

@@ -7,6 +7,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import cpu_has_avx512_bf16, get_cpu_kernels
+from minivllm.kernels.registry import select_kernels
 
 needs_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="CPU lacks AVX512-BF16")
 
@@ -41,7 +42,7 @@ def test_engine_outputs_agree_with_and_without_kernels(qwen3_dir):
             cpu_kernels=enabled,
         )
         linear = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj
-        assert (type(linear.quant_method).__name__ == "CpuGemvLinearMethod") == enabled
+        assert (linear.quant_method.cpu_kernel is not None) == enabled
         outs = llm.generate(
             prompts,
             SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True),
@@ -99,7 +100,7 @@ def test_fused_ops_match_the_layers_plain_paths(hidden, head):
     from minivllm.layers.layernorm import RMSNorm
     from minivllm.layers.rotary import RotaryEmbedding
 
-    kernels = get_cpu_kernels()
+    kernels = select_kernels("cpu", torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
 
     def close(a: torch.Tensor, b: torch.Tensor) -> None:  # within two bf16 ulps
@@ -110,7 +111,7 @@ def test_fused_ops_match_the_layers_plain_paths(hidden, head):
     x = torch.randn(5, hidden, generator=gen).bfloat16()
     res = torch.randn(5, hidden, generator=gen).bfloat16()
     plain = norm(x), norm(x, res.clone())
-    norm.kernels = kernels
+    norm.select_kernels(kernels)
     fused = norm(x), norm(x, res.clone())
     close(fused[0], plain[0])
     close(fused[1][0], plain[1][0])
@@ -119,7 +120,7 @@ def test_fused_ops_match_the_layers_plain_paths(hidden, head):
     act = SiluAndMul()
     y = (8 * torch.randn(3, 2 * hidden, generator=gen)).bfloat16()  # well into SiLU's tails
     plain_act = act(y)
-    act.kernels = kernels
+    act.select_kernels(kernels)
     close(act(y), plain_act)
 
     rope = RotaryEmbedding(head, {"rope_type": "default", "rope_theta": 10000.0}, 512, 256)
@@ -127,7 +128,7 @@ def test_fused_ops_match_the_layers_plain_paths(hidden, head):
     positions = torch.tensor([0, 7, 100, 255])
     q, k = qkv[:, : 4 * head].view(4, 4, head), qkv[:, 4 * head : 6 * head].view(4, 2, head)
     plain_q, plain_k = rope(positions, q.clone(), k.clone())
-    rope.kernels = kernels
+    rope.select_kernels(kernels)
     fused_q, fused_k = rope(positions, q, k)  # strided views into qkv, rotated in place
     close(fused_q, plain_q)
     close(fused_k, plain_k)
@@ -193,7 +194,9 @@ def test_fused_decode_layers_equal_the_per_layer_path(make_checkpoint, arch, ove
     )
     runner = llm.llm_engine.executor.runner
     assert runner.fused_decode is not None
-    assert hasattr(runner.model.model.layers[0].mlp.down_proj, "packed_weight")
+    assert (
+        runner.model.model.layers[0].mlp.down_proj.quant_method.cpu_kernel.packed_weight is not None
+    )
     # 20 requests: past MAX_KERNEL_ROWS_PACKED rows, so the oneDNN-packed linears run too
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 1, *range(2, 19))]
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True)
@@ -233,17 +236,19 @@ def test_write_kv_cache_equals_index_copy():
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 16, 17, 40, 130])
 def test_cpu_linear_method_matches_f_linear_with_and_without_packed_weights(rows):
-    from minivllm.layers.cpu_linear import CpuGemvLinearMethod, pack_weights
+    from minivllm.layers.cpu_linear import CpuLinearKernel, fits_prepacked
 
     gen = torch.Generator().manual_seed(rows)
     layer = torch.nn.Linear(96, 80, bias=True).bfloat16()
     x = torch.randn(rows, 96, generator=gen).bfloat16()
     want = torch.nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
-    method = CpuGemvLinearMethod(get_cpu_kernels())
-    assert pack_weights([layer], available_bytes=layer.weight.nbytes * 8 - 1) == 0  # no room
-    plain = method.apply(layer, x, layer.bias)
-    assert pack_weights([layer], available_bytes=1 << 30) == layer.weight.nbytes
-    packed = method.apply(layer, x, layer.bias)
+    gemv = get_cpu_kernels().gemv_bf16
+    assert not fits_prepacked(layer.weight.nbytes, available_bytes=layer.weight.nbytes * 8 - 1)
+    plain = CpuLinearKernel.build(gemv, layer.weight, prepack=False)(x, layer.weight, layer.bias)
+    assert fits_prepacked(layer.weight.nbytes, available_bytes=1 << 30)
+    packed_kernel = CpuLinearKernel.build(gemv, layer.weight, prepack=True)
+    assert packed_kernel.packed_weight is not None
+    packed = packed_kernel(x, layer.weight, layer.bias)
     for got in (plain, packed):
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=2**-7)
 
@@ -267,12 +272,15 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_pa
     import subprocess
     import sys
 
-    built = os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "kernels")
+    from minivllm.kernels import kernel_build_dir
+
+    built = kernel_build_dir()
     cache = tmp_path / ".cache" / "minivllm" / "kernels"
     shutil.copytree(built, cache)  # up to date: no rebuild, only the lock to get past
     (cache / "minivllm.lock").unlink(missing_ok=True)
     (cache / "lock").touch()  # what torch's FileBaton leaves when its builder is killed
     code = "from minivllm.kernels import get_cpu_kernels; assert get_cpu_kernels() is not None"
     env = {**os.environ, "HOME": str(tmp_path)}
+    env.pop("XDG_CACHE_HOME", None)
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert not (cache / "lock").exists()

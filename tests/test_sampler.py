@@ -9,7 +9,8 @@ import torch
 
 from minivllm.layers.sampler import Sampler, SamplingMetadata, apply_penalties
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.request_state import CachedRequestState, build_sampling_metadata
+from minivllm.worker.input_batch import build_sampling_metadata
+from minivllm.worker.request_state import CachedRequestState
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -3.0])
 N = 40_000

@@ -7,8 +7,6 @@ import logging
 import os
 from dataclasses import dataclass
 
-import torch
-
 from minivllm.config import (
     CacheConfig,
     EngineConfig,
@@ -41,8 +39,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     nnodes: int = 1
     distributed_init_method: str | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool = False
     cpu_kernels: bool = True
+    attention_backend: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -91,6 +90,7 @@ class EngineArgs:
             device=device,
             enforce_eager=self.enforce_eager,
             cpu_kernels=self.cpu_kernels,
+            attention_backend=self.attention_backend,
         )
 
 
@@ -117,23 +117,3 @@ def default_block_size(device: str) -> int:
     (64 x (256 in, 128 out) offline: 78 s against 81 s). Prefix caching then
     shares whole 128-token blocks."""
     return 128 if device == "cpu" else 16
-
-
-def default_kv_cache_bytes(device: str, model_bytes: int) -> int:
-    """A sane share of free memory: a quarter of available RAM on CPU, 90% of free GPU memory minus headroom."""
-    if device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        return max(int(free * 0.9) - (1 << 30), 1 << 26)
-    available = available_host_bytes()
-    return max(available // 4, 1 << 26)
-
-
-def available_host_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -18,7 +18,8 @@ from minivllm.engine.output_processor import (
     child_request_id,
 )
 from minivllm.engine.request import Request, RequestStatus
-from minivllm.engine.scheduler import Scheduler, SchedulerStats
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler_output import SchedulerStats
 from minivllm.outputs import RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.worker.executor import make_executor

@@ -8,8 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.detokenizer import IncrementalDetokenizer
-from minivllm.engine.scheduler import EngineCoreOutput
-from minivllm.engine.scheduler_output import TokenLogprobs
+from minivllm.engine.scheduler_output import EngineCoreOutput, TokenLogprobs
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from minivllm.sampling_params import SamplingParams
 

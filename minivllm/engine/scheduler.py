@@ -4,41 +4,18 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from minivllm.config import SchedulerConfig
 from minivllm.engine.kv_cache_manager import KVCacheManager
 from minivllm.engine.request import Request, RequestStatus
 from minivllm.engine.scheduler_output import (
     CachedRequestData,
+    EngineCoreOutput,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    TokenLogprobs,
+    SchedulerStats,
 )
-
-
-@dataclass(slots=True)
-class EngineCoreOutput:
-    """What one step did to one request."""
-
-    req_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    num_cached_tokens: int = 0
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0  # total since start
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
 
 
 class Scheduler:

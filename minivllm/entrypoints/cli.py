@@ -126,13 +126,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--enforce-eager",
         action=argparse.BooleanOptionalAction,
         default=d["enforce_eager"],
-        help="run the model eagerly, without graph capture (default: on)",
+        help="run every step layer by layer, without the one-call fused decode step "
+        "(and, on CUDA, graph capture) (default: off)",
     )
     run.add_argument(
         "--cpu-kernels",
         action=argparse.BooleanOptionalAction,
         default=d["cpu_kernels"],
         help="bf16 on CPU: use minivllm's fused CPU kernels where they apply (default: on)",
+    )
+    run.add_argument(
+        "--attention-backend",
+        metavar="NAME",
+        default=d["attention_backend"],
+        help="attention backend: torch (plain PyTorch, any device) or cpu (bf16 CPU kernels) "
+        "(default: chosen for the machine)",
     )
 
 

@@ -1,7 +1,9 @@
 """Optional CPU kernels, compiled on first use with torch's cpp_extension (gcc is enough).
 
 Each kernel has a plain-PyTorch fallback; `get_cpu_kernels()` returns None where the
-CPU lacks the instructions, the compiler is missing, or the build fails.
+CPU lacks the instructions, the compiler is missing, or the build fails. Layers reach
+the ops through `registry.Kernels`, never this module. The build lands in the user's
+cache directory (`$XDG_CACHE_HOME/minivllm/kernels`, else `~/.cache/minivllm/kernels`).
 """
 
 from __future__ import annotations
@@ -13,23 +15,21 @@ import os
 from functools import cache
 from types import ModuleType
 
+from minivllm.kernels.isa import cpu_has_avx512_bf16
+from minivllm.utils.paths import cache_dir
+
 logger = logging.getLogger("minivllm")
 
 
-def cpu_has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return all(flag in flags.split() for flag in ("avx512f", "avx512bw", "avx512_bf16"))
+def kernel_build_dir() -> str:
+    return os.path.join(cache_dir(), "kernels")
 
 
 @cache
 def get_cpu_kernels() -> ModuleType | None:
     if not cpu_has_avx512_bf16():
         return None
-    build_dir = os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "kernels")
+    build_dir = kernel_build_dir()
     os.makedirs(build_dir, exist_ok=True)
     here = os.path.dirname(__file__)
     sources = [

@@ -12,6 +12,7 @@ from minivllm.distributed.parallel_state import (
     tp_all_gather,
     tp_all_reduce,
 )
+from minivllm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,7 +24,10 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.shard_size = -(-vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
-        self.weight = nn.Parameter(torch.zeros(self.shard_size, hidden_size), requires_grad=False)
+        self.create_weights(hidden_size)
+
+    def create_weights(self, hidden_size: int) -> None:
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(
@@ -36,6 +40,7 @@ class VocabParallelEmbedding(nn.Module):
             )
         shard = loaded[self.vocab_start : self.vocab_start + self.shard_size]
         param.data[: shard.shape[0]].copy_(shard)
+        param.data[shard.shape[0] :].zero_()  # the last rank's padding rows
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -48,16 +53,22 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over this rank's vocabulary slice, gathered to the full vocabulary."""
+    """Logits over this rank's vocabulary slice, gathered to the full vocabulary.
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    Its weight belongs to `quant_method`, as a linear layer's does (with tied
+    embeddings the model then points `weight` at the embedding's).
+    """
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, quant_method: LinearMethodBase | None = None
+    ) -> None:
+        self.quant_method = quant_method or UnquantizedLinearMethod()
         super().__init__(vocab_size, hidden_size)
-        self.linear_method: object | None = None  # a backend with `apply(layer, x, bias)`
+
+    def create_weights(self, hidden_size: int) -> None:
+        self.quant_method.create_weights(self, hidden_size, self.shard_size, self.weight_loader)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.linear_method is None:
-            local = F.linear(hidden, self.weight)
-        else:
-            local = self.linear_method.apply(self, hidden, None)
+        local = self.quant_method.apply(self, hidden, None)
         logits = tp_all_gather(local, dim=-1)
         return logits[..., : self.vocab_size]

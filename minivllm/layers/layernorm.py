@@ -2,30 +2,41 @@
 
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from minivllm.kernels.registry import Kernels
+from minivllm.layers.custom_op import CustomOp
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(CustomOp):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        self.kernels: ModuleType | None = None  # fused bf16 CPU ops, set by the model runner
+        # compiled bf16 ops, if the engine's kernels have them
+        self.rms_norm_op: Callable[..., torch.Tensor] | None = None
+        self.add_rms_norm_op: Callable[..., torch.Tensor] | None = None
+
+    def select_kernels(self, kernels: Kernels) -> None:
+        self.rms_norm_op = kernels.op("rms_norm")
+        self.add_rms_norm_op = kernels.op("fused_add_rms_norm")
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.rms_norm_op is not None and self.add_rms_norm_op is not None
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise `x`; given `residual`, normalise `x + residual` and also return that sum."""
-        if self.kernels is not None and x.dtype == torch.bfloat16:
+        if self.uses_kernels and x.dtype == torch.bfloat16:
             if residual is None:
-                return self.kernels.rms_norm(x, self.weight, self.eps)
+                return self.rms_norm_op(x, self.weight, self.eps)
             residual = residual.contiguous()
-            return self.kernels.fused_add_rms_norm(
-                x.contiguous(), residual, self.weight, self.eps
-            ), residual
+            return self.add_rms_norm_op(x.contiguous(), residual, self.weight, self.eps), residual
         if residual is not None:
             x = x + residual
             residual = x

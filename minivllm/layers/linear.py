@@ -2,16 +2,17 @@
 
 Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)`
 that copies its rank's slice of a checkpoint tensor, so model files only wire
-layers together. The math is delegated to `quant_method` (the quantization seam).
+layers together. The weight's format and the math are delegated to
+`quant_method`, a `LinearMethodBase` (the quantization seam, `linear_method.py`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from minivllm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -20,20 +21,21 @@ def divide(numerator: int, denominator: int) -> int:
     return numerator // denominator
 
 
-class UnquantizedLinearMethod:
-    """Plain `x @ W.T + b` in the model's dtype."""
-
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
-
-
 class LinearBase(nn.Module):
-    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+    """A linear layer of this rank's shape; `quant_method` (default: unquantized) owns the weight."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        quant_method: LinearMethodBase | None = None,
+    ) -> None:
         super().__init__()
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
-        self.quant_method = UnquantizedLinearMethod()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.input_size, self.output_size = input_size, output_size
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(self, input_size, output_size, self.weight_loader)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
@@ -55,8 +57,14 @@ class ReplicatedLinear(LinearBase):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no communication."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, divide(output_size, get_tp_size()), bias)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_method: LinearMethodBase | None = None,
+    ) -> None:
+        super().__init__(input_size, divide(output_size, get_tp_size()), bias, quant_method)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
@@ -68,9 +76,15 @@ class ColumnParallelLinear(LinearBase):
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections in one matrix (gate and up): shard_id is the index."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant_method: LinearMethodBase | None = None,
+    ) -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, sum(output_sizes), bias, quant_method)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
@@ -90,7 +104,13 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        quant_method: LinearMethodBase | None = None,
     ) -> None:
         tp_size = get_tp_size()
         self.head_dim = head_dim
@@ -102,7 +122,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_replicas = divide(tp_size, num_kv_heads)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
-        super().__init__(hidden_size, output_size, bias)
+        super().__init__(hidden_size, output_size, bias, quant_method)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
@@ -122,8 +142,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial sums are all-reduced."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(divide(input_size, get_tp_size()), output_size, bias)
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_method: LinearMethodBase | None = None,
+    ) -> None:
+        super().__init__(divide(input_size, get_tp_size()), output_size, bias, quant_method)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None

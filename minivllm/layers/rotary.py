@@ -9,11 +9,13 @@ frequency-banded scaling, and LongRoPE (Ding et al. 2024, arXiv:2402.13753).
 from __future__ import annotations
 
 import math
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+
+from minivllm.kernels.registry import Kernels
+from minivllm.layers.custom_op import CustomOp
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
@@ -118,7 +120,7 @@ def compute_inv_freq(
     raise ValueError(f"rope type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Neox-style rotation (halves rotated) from a precomputed cos/sin cache."""
 
     def __init__(
@@ -132,15 +134,22 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
-        self.kernels: ModuleType | None = None  # fused bf16 CPU ops, set by the model runner
+        self.rotary_op: Callable[..., None] | None = None  # compiled bf16 op, in place
+
+    def select_kernels(self, kernels: Kernels) -> None:
+        self.rotary_op = kernels.op("rotary_inplace")
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.rotary_op is not None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
-        if self.kernels is not None and q.dtype == torch.bfloat16:
+        if self.rotary_op is not None and q.dtype == torch.bfloat16:
             for x in (q, k):  # in place; heads of a row are contiguous
-                self.kernels.rotary_inplace(x, positions, self.cos_cache, self.sin_cache)
+                self.rotary_op(x, positions, self.cos_cache, self.sin_cache)
             return q, k
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
@@ -152,22 +161,3 @@ class RotaryEmbedding(nn.Module):
         rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         out = rot * cos + rotated_half * sin
         return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
-
-
-_ROPE_CACHE: dict[tuple, RotaryEmbedding] = {}
-
-
-def get_rope(
-    head_dim: int, params: dict[str, Any], max_pos: int, max_model_len: int
-) -> RotaryEmbedding:
-    """One shared module per distinct rope setting: its cos/sin tables serve every layer."""
-    key = (
-        head_dim,
-        repr(sorted(params.items())),
-        max_pos,
-        max_model_len,
-        torch.get_default_device(),
-    )
-    if key not in _ROPE_CACHE:
-        _ROPE_CACHE[key] = RotaryEmbedding(head_dim, params, max_pos, max_model_len)
-    return _ROPE_CACHE[key]

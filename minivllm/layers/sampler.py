@@ -38,10 +38,14 @@ class SamplingMetadata:
 
 
 class Sampler:
-    def __init__(self, generator: torch.Generator) -> None:
+    def __init__(
+        self,
+        generator: torch.Generator,
+        argmax_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.generator = generator  # for rows without a seed
         # bf16 logits [B, V] -> argmax [B] without an fp32 copy (the CPU kernels' argmax_bf16)
-        self.argmax_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.argmax_kernel = argmax_kernel
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if (

@@ -1,7 +1,9 @@
-"""Build a model from its config and fill it from the checkpoint."""
+"""Build a model from its config, fill it from the checkpoint, and prepare it for inference."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -9,8 +11,16 @@ import torch
 from torch import nn
 
 from minivllm.config import ModelConfig
+from minivllm.kernels.registry import TORCH, Kernels
+from minivllm.layers.cpu_linear import MAX_KERNEL_ROWS_PACKED, fits_prepacked
+from minivllm.layers.custom_op import CustomOp
+from minivllm.layers.embedding import ParallelLMHead
+from minivllm.layers.linear import LinearBase
+from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.loader.safetensors_loader import iterate_weights
 from minivllm.models.registry import resolve_model_class
+
+logger = logging.getLogger("minivllm")
 
 
 @contextmanager
@@ -23,9 +33,44 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def load_model(config: ModelConfig, device: str) -> nn.Module:
+def load_model(
+    config: ModelConfig,
+    device: str,
+    kernels: Kernels = TORCH,
+    available_bytes: int | None = None,
+) -> nn.Module:
+    """The model on `device`, its weights loaded and processed for `kernels`.
+
+    `available_bytes` is the memory this rank may still use; where given, the
+    linears may keep prepacked copies of their weights if those fit in an eighth of it.
+    """
     model_cls = resolve_model_class(getattr(config.hf_config, "architectures", None))
     with torch.device(device), _default_dtype(config.dtype):
         model = model_cls(config.hf_config, config.max_model_len)
     model.load_weights(iterate_weights(config.model))
+    process_weights_after_loading(model, kernels, available_bytes)
     return model.eval()
+
+
+def process_weights_after_loading(
+    model: nn.Module, kernels: Kernels, available_bytes: int | None = None
+) -> None:
+    """Once the checkpoint is in: each linear method processes its weights (repacking,
+    quantizing) for the engine's kernels, and each custom op picks its compiled ops."""
+    linears = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+    if kernels.key is not None and available_bytes is not None:
+        plain = [m for m in linears if type(m.quant_method) is UnquantizedLinearMethod]
+        weight_bytes = sum(m.weight.nbytes for m in plain)
+        if fits_prepacked(weight_bytes, available_bytes):
+            kernels = dataclasses.replace(kernels, prepack_weights=True)
+            logger.info(
+                "oneDNN-prepacked copies of the linear and LM-head weights for batches over "
+                "%d rows (+%.2f GiB)",
+                MAX_KERNEL_ROWS_PACKED,
+                weight_bytes / 2**30,
+            )
+    for module in linears:
+        module.quant_method.process_weights_after_loading(module, kernels)
+    for module in model.modules():
+        if isinstance(module, CustomOp):
+            module.select_kernels(kernels)

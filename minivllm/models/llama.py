@@ -11,18 +11,21 @@ from torch import nn
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.layers.fused_decode import DecoderStackParts, LlamaBlockParts
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minivllm.layers.rotary import get_rope
+from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.models.weights import load_weights_strict
 
 
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, max_model_len: int, qkv_bias: bool) -> None:
+    def __init__(self, config: Any, qkv_bias: bool, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
+        head_dim = head_dim_of(config)
         num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, qkv_bias
@@ -34,9 +37,7 @@ class LlamaAttention(nn.Module):
             config.hidden_size,
             getattr(config, "attention_bias", False),
         )
-        self.rotary_emb = get_rope(
-            head_dim, config.rope_parameters, config.max_position_embeddings, max_model_len
-        )
+        self.rotary_emb = rotary_emb  # one module, and one cos/sin table, for every layer
         window = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             window = None
@@ -52,6 +53,10 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         return self.rotary_emb(positions, q, k)
+
+    def qk_norms(self) -> tuple[RMSNorm | None, RMSNorm | None]:
+        """The per-head norms `qk_transform` applies before the rotation (none here)."""
+        return None, None
 
 
 class LlamaMLP(nn.Module):
@@ -88,6 +93,23 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
+    def parts(self) -> LlamaBlockParts:
+        attn, mlp = self.self_attn, self.mlp
+        q_norm, k_norm = attn.qk_norms()
+        return LlamaBlockParts(
+            self.input_layernorm,
+            attn.qkv_proj,
+            q_norm,
+            k_norm,
+            attn.rotary_emb,
+            attn.attn,
+            attn.o_proj,
+            self.post_attention_layernorm,
+            mlp.gate_up_proj,
+            mlp.act_fn,
+            mlp.down_proj,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -95,8 +117,14 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary = RotaryEmbedding(
+            head_dim_of(config),
+            config.rope_parameters,
+            config.max_position_embeddings,
+            max_model_len,
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention_cls(config, max_model_len, qkv_bias))
+            LlamaDecoderLayer(config, attention_cls(config, qkv_bias, rotary))
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -139,6 +167,13 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
+
+    def decoder_stack_parts(self) -> DecoderStackParts:
+        """The layers as the fused decode step runs them (`layers/fused_decode.py`)."""
+        inner = self.model
+        return DecoderStackParts(
+            inner.embed_tokens, [layer.parts() for layer in inner.layers], inner.norm
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("lm_head.weight",) if self.config.tie_word_embeddings else ()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from minivllm.config import EngineConfig
-from minivllm.engine.arg_utils import default_kv_cache_bytes
 from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from minivllm.worker.model_runner import ModelRunner
 
@@ -43,7 +42,7 @@ class InProcessExecutor:
         return self.runner.load_seconds
 
     def kv_cache_budget_bytes(self) -> int:
-        return kv_cache_budget_bytes(self.config, self.runner)
+        return self.runner.kv_cache_budget_bytes()
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()
@@ -56,14 +55,3 @@ class InProcessExecutor:
 
     def shutdown(self) -> None:
         pass
-
-
-def kv_cache_budget_bytes(config: EngineConfig, runner: ModelRunner, num_sharing: int = 1) -> int:
-    """`kv_cache_memory_bytes` (per rank), else a default share of free memory.
-
-    `num_sharing` ranks of one host split that host's default share (TP on CPU).
-    """
-    if config.cache.kv_cache_memory_bytes:
-        return config.cache.kv_cache_memory_bytes
-    model_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
-    return default_kv_cache_bytes(config.device, model_bytes) // num_sharing

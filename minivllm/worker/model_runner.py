@@ -4,19 +4,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.parallel_state import tp_broadcast
 from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from minivllm.layers.attention import Attention
-from minivllm.layers.forward_context import AttentionMetadata, forward_context
+from minivllm.kernels.isa import cpu_model, isa_summary
+from minivllm.kernels.registry import select_kernels
+from minivllm.layers.attention import Attention, CommonAttentionMetadata, KVCacheSpec
+from minivllm.layers.attention.registry import select_attention_backend
+from minivllm.layers.forward_context import ForwardContext, forward_context
+from minivllm.layers.fused_decode import FusedLlamaDecode
 from minivllm.layers.sampler import Sampler
 from minivllm.loader.model_loader import load_model
-from minivllm.worker.request_state import CachedRequestState, build_sampling_metadata
+from minivllm.utils.memory import available_host_bytes, default_kv_cache_bytes
+from minivllm.worker.input_batch import InputBatch
+from minivllm.worker.request_state import CachedRequestState
 
 logger = logging.getLogger("minivllm")
 
@@ -25,7 +31,7 @@ logger = logging.getLogger("minivllm")
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn: AttentionMetadata
+    attn: Any  # the attention backend's metadata for this step
     sample_req_ids: list[str]  # requests whose last scheduled token yields a new token
     logits_indices: list[int]  # hidden rows to project: sampling rows, then prompt-logprob rows
     # req_id -> (first row in logits_indices, target prompt token ids)
@@ -39,71 +45,62 @@ class ModelRunner:
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         start = time.perf_counter()
-        self.model = load_model(config.model, self.device)
+        self.kernels = select_kernels(self.device, config.model.dtype, config.cpu_kernels)
+        self.model = load_model(config.model, self.device, self.kernels, self._available_bytes())
         self.load_seconds = time.perf_counter() - start
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_cache_specs: list[KVCacheSpec] = [
+            layer.get_kv_cache_spec(self.block_size, config.model.dtype)
+            for layer in self.attention_layers
+        ]
+        self.attn_backend = select_attention_backend(config.attention_backend, self.kernels)
         # Steps where every request decodes may run all layers in one kernel call (CPU bf16).
-        self.fused_decode: Callable[..., torch.Tensor] | None = None
+        self.fused_decode: FusedLlamaDecode | None = None
+        fused = "off: enforce_eager"
+        if not config.enforce_eager:
+            self.fused_decode, fused = FusedLlamaDecode.build(
+                self.model, self.kernels, self.attn_backend
+            )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
-        self.sampler = Sampler(generator)
-        self._select_cpu_kernels()
+        self.sampler = Sampler(generator, self.kernels.op("argmax_bf16"))
         self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch(config.scheduler.max_num_seqs, self.vocab_size, self.device)
+        self._log_choices(fused)
 
-    def _select_cpu_kernels(self) -> None:
-        if not (self.config.cpu_kernels and self.device == "cpu"):
-            return
-        if self.config.model.dtype != torch.bfloat16:
-            return
-        from minivllm.engine.arg_utils import available_host_bytes
-        from minivllm.kernels import get_cpu_kernels
-        from minivllm.layers.cpu_linear import use_cpu_kernels
+    def _available_bytes(self) -> int | None:
+        """Host memory this rank may use for prepacked weights (the ranks of one host share it)."""
+        if self.device != "cpu":
+            return None
+        return available_host_bytes() // self.config.parallel.ranks_per_node
 
-        kernels = get_cpu_kernels()
-        if kernels is None:
-            return
-        # the ranks of one host share its memory
-        available = available_host_bytes() // self.config.parallel.ranks_per_node
-        count = use_cpu_kernels(self.model, kernels, available)
-        self.sampler.argmax_kernel = kernels.argmax_bf16
-        for layer in self.attention_layers:
-            layer.cache_write_kernel = kernels.write_kv_cache
-            if layer.head_dim % 32 == 0:
-                layer.prefill_kernel = kernels.prefill_attention
-                if layer.head_dim <= 256:  # the decode kernel's templates go up to 256
-                    layer.decode_kernel = kernels.paged_attention_decode
-        from minivllm.layers.fused_decode import FusedLlamaDecode
-
-        self.fused_decode = FusedLlamaDecode.build(self.model, kernels)
+    def _log_choices(self, fused: str) -> None:
+        where = f"{cpu_model()} [{isa_summary()}]" if self.device == "cpu" else self.device
         logger.info(
-            "bf16 CPU kernels on: %d linear layers, paged decode and prefill attention%s",
-            count,
-            ", all decoder layers fused for decode steps" if self.fused_decode else "",
+            "kernels: %s on %s; attention backend: %s; all-layers decode step: %s",
+            self.kernels.name,
+            where,
+            self.attn_backend.name,
+            fused,
         )
 
     def kv_cache_bytes_per_block(self) -> int:
-        dtype_size = torch.empty(0, dtype=self.config.model.dtype).element_size()
-        return sum(
-            2 * self.block_size * layer.num_kv_heads * layer.head_dim * dtype_size
-            for layer in self.attention_layers
-        )
+        return sum(spec.page_size_bytes for spec in self.kv_cache_specs)
+
+    def kv_cache_budget_bytes(self, num_sharing: int = 1) -> int:
+        """`kv_cache_memory_bytes` (per rank), else a default share of free memory.
+
+        `num_sharing` ranks of one host split that host's default share (TP on CPU).
+        """
+        if self.config.cache.kv_cache_memory_bytes:
+            return self.config.cache.kv_cache_memory_bytes
+        model_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return default_kv_cache_bytes(self.device, model_bytes) // num_sharing
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        """One tensor per layer, allocated once: [2, num_kv_heads, num_blocks, block_size, head_dim].
-
-        Not zeroed (that alone took seconds for a few GB): attention reads only
-        slots it has written, and masks the padding it gathers.
-        """
-        for layer in self.attention_layers:
-            layer.kv_cache = torch.empty(
-                2,
-                layer.num_kv_heads,
-                num_blocks,
-                self.block_size,
-                layer.head_dim,
-                dtype=self.config.model.dtype,
-                device=self.device,
-            )
+        """One tensor per layer, allocated once, in the layout the attention backend chose."""
+        for layer, spec in zip(self.attention_layers, self.kv_cache_specs):
+            layer.kv_cache = self.attn_backend.allocate_kv_cache(spec, num_blocks, self.device)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -114,7 +111,7 @@ class ModelRunner:
         if self.fused_decode is not None and not inputs.attn.prefill_req_indices:
             hidden = self.fused_decode(inputs.input_ids, inputs.positions, inputs.attn)
         else:
-            with forward_context(inputs.attn):
+            with forward_context(ForwardContext((self.attn_backend, inputs.attn))):
                 hidden = self.model(inputs.input_ids, inputs.positions)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         output = ModelRunnerOutput()
@@ -125,9 +122,12 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.removed_req_ids:
             self.requests.pop(req_id, None)
+        self.input_batch.remove(out.removed_req_ids)
         eos = self.config.model.eos_token_ids
         for data in out.new_reqs:
-            self.requests[data.req_id] = CachedRequestState.from_new(data, eos, self.device)
+            state = CachedRequestState.from_new(data, eos, self.device)
+            self.requests[data.req_id] = state
+            self.input_batch.add(state)
         for data in out.cached_reqs:
             state = self.requests[data.req_id]
             state.block_ids.extend(data.new_block_ids)
@@ -160,48 +160,42 @@ class ModelRunner:
         for req_id, rows, targets in prompt_rows:
             prompt_logprob_rows[req_id] = (len(logits_indices), targets)
             logits_indices.extend(rows)
-        attn = self._attention_metadata(slots, cu_seqlens_q, seq_lens, block_tables)
+        common = self._common_metadata(slots, cu_seqlens_q, seq_lens, block_tables)
         return StepInputs(
             torch.tensor(token_ids, device=self.device),
             torch.tensor(positions, device=self.device),
-            attn,
+            self.attn_backend.build_metadata(common),
             sample_req_ids,
             logits_indices,
             prompt_logprob_rows,
         )
 
-    def _attention_metadata(
+    def _common_metadata(
         self,
         slots: list[int],
         cu_seqlens_q: list[int],
         seq_lens: list[int],
         block_tables: list[list[int]],
-    ) -> AttentionMetadata:
-        num_reqs = len(seq_lens)
-        decodes = [i for i in range(num_reqs) if cu_seqlens_q[i + 1] - cu_seqlens_q[i] == 1]
-        decode_set = set(decodes)
-        max_blocks = max((len(block_tables[i]) for i in decodes), default=0)
-        padded = [block_tables[i] + [0] * (max_blocks - len(block_tables[i])) for i in decodes]
-        dev = self.device
-        return AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev),
-            cu_seqlens_q=cu_seqlens_q,
+    ) -> CommonAttentionMetadata:
+        num_blocks = [len(blocks) for blocks in block_tables]
+        width = max(num_blocks, default=0)
+        padded = [blocks + [0] * (width - len(blocks)) for blocks in block_tables]
+        return CommonAttentionMetadata(
+            query_start_loc=cu_seqlens_q,
             seq_lens=seq_lens,
-            block_tables=block_tables,
-            decode_req_indices=decodes,
-            decode_token_indices=torch.tensor([cu_seqlens_q[i] for i in decodes], device=dev),
-            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=dev).view(
-                len(decodes), max_blocks
+            num_blocks=num_blocks,
+            block_table=torch.tensor(padded, dtype=torch.long, device=self.device).view(
+                len(padded), width
             ),
-            decode_seq_lens=torch.tensor([seq_lens[i] for i in decodes], device=dev),
-            prefill_req_indices=[i for i in range(num_reqs) if i not in decode_set],
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            block_size=self.block_size,
         )
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         if not inputs.sample_req_ids:
             return
         states = [self.requests[r] for r in inputs.sample_req_ids]
-        meta = build_sampling_metadata(states, self.vocab_size, self.device)
+        meta = self.input_batch.sampling_metadata(inputs.sample_req_ids)
         # Rank 0's draw is the one every TP rank continues from (identity with one rank).
         sampled = tp_broadcast(self.sampler(logits, meta)).tolist()
         want = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
@@ -214,6 +208,7 @@ class ModelRunner:
         for state, token_id in zip(states, sampled):
             state.token_ids.append(token_id)
             output.sampled_token_ids[state.req_id] = [token_id]
+        self.input_batch.record_sampled(inputs.sample_req_ids, sampled)
 
     def _prompt_logprobs(
         self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput

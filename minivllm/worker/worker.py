@@ -35,7 +35,6 @@ from minivllm.distributed.parallel_state import (
     init_tensor_parallel,
 )
 from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from minivllm.worker.executor import kv_cache_budget_bytes
 from minivllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("minivllm")
@@ -96,7 +95,7 @@ class Worker:
 
     def kv_cache_budget_bytes(self) -> int:
         """This rank's budget; every rank agrees on the smallest (the driver sizes one pool)."""
-        return all_reduce_min(kv_cache_budget_bytes(self.config, self.runner, self._ram_sharers()))
+        return all_reduce_min(self.runner.kv_cache_budget_bytes(self._ram_sharers()))
 
     def kv_cache_bytes_per_block(self) -> int:
         return self.runner.kv_cache_bytes_per_block()

@@ -1,0 +1,89 @@
+"""Paged attention on bf16 CPUs through minivllm's compiled kernels.
+
+The cache layout and the metadata are the torch backend's; only the three hot
+pieces differ: the cache write, batched decode attention (one pass over each
+row's blocks with an online softmax) and causal prefill attention over the
+paged cache (`kernels/paged_attention.cpp`, `kernels/prefill_attention.cpp`).
+The kernels take head sizes that are multiples of 32 (decode: up to 256); other
+shapes, and inputs that are not bf16, keep the torch backend's path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.kernels.registry import Kernels
+from minivllm.layers.attention.torch_backend import PagedAttentionMetadata, TorchAttentionBackend
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, kernels: Kernels, decode_query_len: int = 1) -> None:
+        super().__init__(decode_query_len)
+        self.write_op = kernels.op("write_kv_cache")
+        self.decode_op = kernels.op("paged_attention_decode")
+        self.prefill_op = kernels.op("prefill_attention")
+        if None in (self.write_op, self.decode_op, self.prefill_op):
+            raise ValueError(
+                f"the cpu attention backend needs bf16 CPU kernels; {kernels.name} has none"
+            )
+
+    @staticmethod
+    def supports_decode(head_dim: int) -> bool:
+        return head_dim % 32 == 0 and head_dim <= 256  # the decode kernel's templates
+
+    def write_kv_cache(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        if k.dtype != kv_cache.dtype:
+            super().write_kv_cache(kv_cache, k, v, slots)
+            return
+        self.write_op(kv_cache, k, v, slots)
+
+    def decode(
+        self,
+        layer: object,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        if q.dtype != torch.bfloat16 or not self.supports_decode(layer.head_dim):
+            super().decode(layer, q, kv_cache, meta, out)
+            return
+        out[meta.decode_token_indices] = self.decode_op(
+            q[meta.decode_token_indices],
+            kv_cache[0],
+            kv_cache[1],
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            layer.scale,
+            layer.sliding_window or 0,
+        )
+
+    def prefill(
+        self,
+        layer: object,
+        n: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: PagedAttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        if q.dtype != torch.bfloat16 or layer.head_dim % 32:
+            super().prefill(layer, n, q, k, v, kv_cache, meta, out)
+            return
+        start, end = meta.prefill_query_ranges[n]
+        # reads this chunk's keys and values back from the cache forward() just wrote
+        out[start:end] = self.prefill_op(
+            q[start:end],
+            kv_cache[0],
+            kv_cache[1],
+            meta.prefill_block_tables[n],
+            meta.prefill_seq_lens[n] - (end - start),
+            layer.scale,
+            layer.sliding_window or 0,
+        )

@@ -1,0 +1,50 @@
+"""The attention layer: declares its KV cache spec, and hands the math to the step's backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.layers.attention.kv_cache_spec import FullAttentionSpec
+from minivllm.layers.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Multi-head (grouped-query) attention over the paged KV cache.
+
+    The model runner binds `kv_cache` once it has allocated it (the backend chose
+    its layout); the backend and its metadata for the step come from the forward
+    context.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, num_kv_heads
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.kv_cache = torch.empty(0)
+
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size, dtype, self.num_kv_heads, self.head_dim, self.sliding_window
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H*D], k and v: [T, Hkv*D] -> [T, H*D]."""
+        backend, metadata = get_forward_context().attention
+        out = backend.forward(
+            self,
+            q.view(-1, self.num_heads, self.head_dim),
+            k.view(-1, self.num_kv_heads, self.head_dim),
+            v.view(-1, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            metadata,
+        )
+        return out.view(-1, self.num_heads * self.head_dim)

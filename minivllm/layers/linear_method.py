@@ -1,0 +1,70 @@
+"""How a linear layer holds and applies its weight: the quantization seam.
+
+Every linear layer and the LM head own a `LinearMethodBase`, chosen at
+construction, and call it in three steps (vLLM's `LinearMethodBase` contract):
+
+    create_weights(layer, ...)            at construction: the parameters a checkpoint fills
+    process_weights_after_loading(layer)  once, after the loader filled them: repack, quantize
+    apply(layer, x, bias)                 every forward
+
+A quantization scheme is one more subclass in its own file (`quantization/`);
+model files never name one. The compiled op that does the arithmetic is not the
+method's choice alone: `process_weights_after_loading` receives the engine's
+`Kernels` and picks the fastest op those give for its weight format.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.kernels.registry import Kernels
+from minivllm.layers.cpu_linear import CpuLinearKernel
+
+WeightLoader = Callable[..., None]
+
+
+class LinearMethodBase(ABC):
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
+    ) -> None:
+        """Register the layer's weight parameter(s), each with `weight_loader` attached."""
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
+        """Turn the loaded checkpoint tensors into what `apply` reads (default: nothing to do)."""
+        return
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ W.T + bias` for this method's weight format."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """Weights in the model's dtype. On a bf16 CPU with the kernels, small batches stream
+    the weight through our GEMV kernel and large ones use a oneDNN-prepacked copy
+    (`layers/cpu_linear.py`); elsewhere `F.linear`."""
+
+    def __init__(self) -> None:
+        self.cpu_kernel: CpuLinearKernel | None = None
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
+    ) -> None:
+        weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        weight.weight_loader = weight_loader
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
+        gemv = kernels.op("gemv_bf16")
+        if gemv is not None and layer.weight.dtype == torch.bfloat16:
+            self.cpu_kernel = CpuLinearKernel.build(gemv, layer.weight, kernels.prepack_weights)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.cpu_kernel is not None:
+            return self.cpu_kernel(x, layer.weight, bias)
+        return F.linear(x, layer.weight, bias)
