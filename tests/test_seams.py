@@ -280,6 +280,7 @@ def _equal_metadata(a, b) -> None:
         "repetition_penalty",
         "output_token_counts",
         "prompt_token_mask",
+        "seen_token_mask",
         "logit_bias",
     ):
         x, y = getattr(a, name), getattr(b, name)

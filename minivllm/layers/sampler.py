@@ -32,6 +32,8 @@ class SamplingMetadata:
     repetition_penalty: torch.Tensor | None = None  # [B]
     output_token_counts: torch.Tensor | None = None  # [B, V]
     prompt_token_mask: torch.Tensor | None = None  # [B, V] bool
+    # [B, V] bool: prompt or output tokens, the only ones penalties change
+    seen_token_mask: torch.Tensor | None = None
     logit_bias: torch.Tensor | None = None  # [B, V]
     # rows still under min_tokens -> token ids they may not produce yet
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
@@ -55,7 +57,9 @@ class Sampler:
             and not changes_logits(meta)
         ):
             return self.argmax_kernel(logits)
-        logits = logits.float()
+        # a copy even where the logits are float32 already: the steps below work in place,
+        # and the caller still reads the raw logits for logprobs
+        logits = logits.to(torch.float32, copy=True)
         logits = self._apply_biases(logits, meta)
         logits = apply_penalties(logits, meta)
         greedy = logits.argmax(dim=-1)
@@ -97,16 +101,28 @@ def changes_logits(meta: SamplingMetadata) -> bool:
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Repetition (prompt and output tokens; divide positive logits, multiply negative),
-    then frequency (x count) and presence (x seen) over output tokens, as OpenAI defines them."""
+    then frequency (x count) and presence (x seen) over output tokens, as OpenAI defines them.
+
+    Only tokens in a row's prompt or output can change, so only those few entries are
+    gathered, penalised and written back (in place), instead of passes over [B, V].
+    """
+    if meta.repetition_penalty is None and meta.frequency_penalty is None:
+        return logits
+    seen = meta.seen_token_mask
+    if seen is None:
+        seen = meta.output_token_counts > 0
+        if meta.prompt_token_mask is not None:
+            seen |= meta.prompt_token_mask
+    rows, cols = seen.nonzero(as_tuple=True)
+    values = logits[rows, cols]
     if meta.repetition_penalty is not None:
-        seen = meta.prompt_token_mask | (meta.output_token_counts > 0)
-        penalty = meta.repetition_penalty.unsqueeze(1).expand_as(logits)
-        scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, scaled, logits)
+        penalty = meta.repetition_penalty[rows]
+        values = torch.where(values > 0, values / penalty, values * penalty)
     if meta.frequency_penalty is not None:
-        counts = meta.output_token_counts.to(logits.dtype)
-        logits = logits - meta.frequency_penalty.unsqueeze(1) * counts
-        logits = logits - meta.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+        counts = meta.output_token_counts[rows, cols].to(values.dtype)
+        values = values - meta.frequency_penalty[rows] * counts
+        values = values - meta.presence_penalty[rows] * (counts > 0).to(values.dtype)
+    logits[rows, cols] = values
     return logits
 
 

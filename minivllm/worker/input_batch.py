@@ -39,6 +39,7 @@ class InputBatch:
         # [capacity, vocab]: allocated when the first request with a penalty arrives
         self.output_token_counts: torch.Tensor | None = None
         self.prompt_token_mask: torch.Tensor | None = None
+        self.seen_token_mask: torch.Tensor | None = None  # prompt or output tokens
 
     @property
     def num_reqs(self) -> int:
@@ -51,7 +52,7 @@ class InputBatch:
         names = ["temperature", "top_k", "top_p", "min_p"]
         names += ["repetition_penalty", "frequency_penalty", "presence_penalty"]
         if self.output_token_counts is not None:
-            names += ["output_token_counts", "prompt_token_mask"]
+            names += ["output_token_counts", "prompt_token_mask", "seen_token_mask"]
         return names
 
     def add(self, state: CachedRequestState) -> None:
@@ -94,6 +95,7 @@ class InputBatch:
         tokens = torch.tensor(token_ids, device=self.device)
         ones = torch.ones(len(req_ids), dtype=torch.int32, device=self.device)
         self.output_token_counts.index_put_((rows, tokens), ones, accumulate=True)
+        self.seen_token_mask[rows, tokens] = True
 
     def sampling_metadata(self, req_ids: list[str]) -> SamplingMetadata:
         """The sampling tensors of these requests' rows, in this order."""
@@ -125,6 +127,7 @@ class InputBatch:
         use_freq = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
         if use_rep or use_freq:
             meta.output_token_counts = self.output_token_counts[select]
+            meta.seen_token_mask = self.seen_token_mask[select]
         if use_rep:
             meta.prompt_token_mask = self.prompt_token_mask[select]
             meta.repetition_penalty = self.repetition_penalty[select]
@@ -138,6 +141,7 @@ class InputBatch:
         shape = (self.capacity, self.vocab_size)
         self.output_token_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
         self.prompt_token_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        self.seen_token_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
         for row in range(self.num_reqs):
             self._fill_penalty_row(row)
 
@@ -149,6 +153,7 @@ class InputBatch:
         ids = torch.tensor(state.output_token_ids, dtype=torch.long, device=self.device)
         counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         mask[state.token_ids[: state.num_prompt_tokens]] = True
+        torch.logical_or(mask, counts > 0, out=self.seen_token_mask[row])
 
     def _grow(self) -> None:
         old = self.capacity
