@@ -67,6 +67,9 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    # KV slots reserved past each decode's scheduled tokens, where a draft model writes
+    # the keys of the drafts it proposes after the step (0 without one).
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -162,6 +165,8 @@ class EngineConfig:
     cpu_kernels: bool = True
     # An attention backend by name (`layers/attention/registry.py`); None picks for the machine.
     attention_backend: str | None = None
+    # Speculative decoding (`spec_decode/config.py`); None: off.
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
         self.parallel.verify(self.model.hf_config, self.device)

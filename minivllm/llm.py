@@ -86,6 +86,40 @@ class LLM:
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def get_metrics(self) -> dict[str, Any]:
+        """The engine's counters so far: scheduler state, prefix cache and, with speculative
+        decoding, drafts, acceptance rate, mean acceptance length and acceptance per position."""
+        stats = self.llm_engine.stats()
+        metrics: dict[str, Any] = {
+            "num_preemptions": stats.num_preemptions,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+        }
+        spec = stats.spec_decode
+        if spec is not None:
+            metrics["spec_decode"] = {
+                "num_drafts": spec.num_drafts,
+                "num_draft_tokens": spec.num_draft_tokens,
+                "num_accepted_tokens": spec.num_accepted_tokens,
+                "acceptance_rate": spec.acceptance_rate,
+                "mean_acceptance_length": spec.mean_acceptance_length,
+                # per draft position: accepted / verifications that drafted it
+                "acceptance_rate_per_position": [
+                    a / max(d, 1)
+                    for a, d in zip(spec.num_accepted_tokens_per_pos, spec.num_draft_tokens_per_pos)
+                ],
+            }
+        return metrics
+
+    def _spec_summary(self) -> str:
+        spec = self.llm_engine.stats().spec_decode
+        if spec is None or not spec.num_drafts:
+            return ""
+        return (
+            f", drafts accepted {100 * spec.acceptance_rate:.0f}%"
+            f", mean accepted length {spec.mean_acceptance_length:.2f}"
+        )
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         order = {rid: i for i, rid in enumerate(request_ids)}
         results: list[RequestOutput | None] = [None] * len(request_ids)
@@ -103,9 +137,8 @@ class LLM:
                         results[order[output.request_id]] = output
                         num_out_tokens += sum(len(c.token_ids) for c in output.outputs)
                         bar.update(1)
-                        bar.set_postfix_str(
-                            f"output {num_out_tokens / (time.perf_counter() - start):.1f} tok/s"
-                        )
+                        rate = num_out_tokens / (time.perf_counter() - start)
+                        bar.set_postfix_str(f"output {rate:.1f} tok/s{self._spec_summary()}")
         finally:
             bar.close()
         missing = [rid for rid, r in zip(request_ids, results) if r is None]

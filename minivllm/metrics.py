@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from minivllm.engine.scheduler_output import SchedulerStats
+from minivllm.engine.scheduler_output import SchedulerStats, SpecDecodeStats
 from minivllm.outputs import RequestOutput
 
 # Latency buckets in seconds (vLLM's, trimmed): from one fast decode step to a long request.
@@ -89,7 +89,21 @@ class EngineMetrics:
         self.request_success = {
             reason: success.labels(model_name, reason) for reason in FINISH_REASONS
         }
+        spec = "spec_decode_"
+        self.spec_num_drafts = counter(f"{spec}num_drafts", "Verifications (requests with drafts).")
+        self.spec_num_draft_tokens = counter(f"{spec}num_draft_tokens", "Draft tokens verified.")
+        self.spec_num_accepted_tokens = counter(
+            f"{spec}num_accepted_tokens", "Draft tokens accepted."
+        )
+        self._spec_per_pos = Counter(
+            f"minivllm:{spec}num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by draft position (0 = the first draft).",
+            [*labels, "position"],
+            registry=r,
+        )
+        self._model_name = model_name
         self._last_stats = SchedulerStats()
+        self._last_spec = SpecDecodeStats()
         self._timings: dict[str, _RequestTiming] = {}
 
     def record_stats(self, stats: SchedulerStats) -> None:
@@ -102,6 +116,25 @@ class EngineMetrics:
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
         self._last_stats = stats
+        if stats.spec_decode is not None:
+            self._record_spec(stats.spec_decode)
+
+    def _record_spec(self, spec: SpecDecodeStats) -> None:
+        last = self._last_spec
+        self.spec_num_drafts.inc(spec.num_drafts - last.num_drafts)
+        self.spec_num_draft_tokens.inc(spec.num_draft_tokens - last.num_draft_tokens)
+        self.spec_num_accepted_tokens.inc(spec.num_accepted_tokens - last.num_accepted_tokens)
+        old = last.num_accepted_tokens_per_pos
+        for pos, total in enumerate(spec.num_accepted_tokens_per_pos):
+            before = old[pos] if pos < len(old) else 0
+            self._spec_per_pos.labels(self._model_name, str(pos)).inc(total - before)
+        self._last_spec = SpecDecodeStats(
+            spec.num_drafts,
+            spec.num_draft_tokens,
+            spec.num_accepted_tokens,
+            list(spec.num_accepted_tokens_per_pos),
+            list(spec.num_draft_tokens_per_pos),
+        )
 
     def record_output(self, output: RequestOutput, now: float | None = None) -> None:
         """Token counts and latencies from one delta output of a request."""

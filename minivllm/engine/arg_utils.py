@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from minivllm.config import (
     CacheConfig,
@@ -18,6 +19,7 @@ from minivllm.config import (
     resolve_device,
     resolve_dtype,
 )
+from minivllm.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger("minivllm")
 
@@ -42,6 +44,8 @@ class EngineArgs:
     enforce_eager: bool = False
     cpu_kernels: bool = True
     attention_backend: str | None = None
+    # vLLM's speculative_config: a dict, or its JSON text (`--speculative-config`)
+    speculative_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -78,10 +82,15 @@ class EngineArgs:
         )
         batched = self.max_num_batched_tokens or max(4096, min(max_model_len, 8192))
         block_size = self.block_size or default_block_size(device)
+        speculative = SpeculativeConfig.from_value(self.speculative_config)
+        if speculative is not None:
+            speculative = resolve_draft_model(speculative, hf_config, self.trust_remote_code)
+        # a draft model writes the keys of its k proposals past each decode's tokens
+        lookahead = speculative.num_speculative_tokens if speculative and speculative.model else 0
         return EngineConfig(
             model=model,
             cache=CacheConfig(block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching),
-            scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len),
+            scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len, lookahead),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,
                 self.nnodes,
@@ -91,6 +100,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             cpu_kernels=self.cpu_kernels,
             attention_backend=self.attention_backend,
+            speculative_config=speculative,
         )
 
 
@@ -100,6 +110,30 @@ def resolve_model_path(name: str) -> str:
         return name
     bundled = os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo_models", name)
     return bundled if os.path.isdir(bundled) else name
+
+
+def resolve_draft_model(
+    config: SpeculativeConfig, target_hf_config: Any, trust_remote_code: bool
+) -> SpeculativeConfig:
+    """The draft's directory resolved (bundled names too) and its vocabulary checked
+    against the target's, before either model loads."""
+    if config.model is None:
+        return config
+    from transformers import AutoConfig
+
+    path = resolve_model_path(config.model)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(
+            f"speculative_config.model {config.model!r} is not a checkpoint directory "
+            "(no config.json) nor a bundled model name"
+        )
+    draft = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if draft.vocab_size != target_hf_config.vocab_size:
+        raise ValueError(
+            f"speculative_config.model has a vocabulary of {draft.vocab_size} tokens, the "
+            f"target {target_hf_config.vocab_size}: a draft model must share the target's tokenizer"
+        )
+    return dataclasses.replace(config, model=path)
 
 
 def resolve_init_method(init_method: str | None, nnodes: int) -> str | None:

@@ -23,6 +23,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.token_ids: list[int] = []
         self.num_sent_chars = 0
+        self.num_consumed = 0  # of the tokens passed to the last update()
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.backend = backend
         self.stream = (
@@ -43,12 +44,25 @@ class IncrementalDetokenizer:
         """
         if stop_terminated and not self.params.include_stop_str_in_output:
             new_token_ids = new_token_ids[:-1]
-        old_len = len(self.output_text)
-        for token_id in new_token_ids:
+        # Several tokens at once (speculative decoding): a stop string is looked for after
+        # each, so the output ends at the token that completed it; `num_consumed` says how
+        # many of the new tokens the text took.
+        self.num_consumed = len(new_token_ids)
+        start_len = len(self.output_text)
+        for i, token_id in enumerate(new_token_ids):
+            old_len = len(self.output_text)
             self.token_ids.append(token_id)
             self.output_text += self._decode_next(token_id)
+            stop = self._check_stop(old_len)
+            if stop is not None:
+                self.num_consumed = i + 1
+                return stop
         if finished:
-            self._flush()
+            self._flush()  # bytes held as incomplete UTF-8 may complete a stop string
+            return self._check_stop(start_len)
+        return None
+
+    def _check_stop(self, old_len: int) -> str | None:
         if not self.params.stop or len(self.token_ids) <= self.params.min_tokens:
             return None
         return self._find_stop(old_len)

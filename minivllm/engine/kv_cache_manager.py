@@ -68,17 +68,22 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] | None = None,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVBlock] | None:
         """Blocks for `num_new_tokens` more tokens, or None if the pool cannot give them.
 
         `new_computed_blocks` are prefix-cache hits being adopted by a request
-        that has none yet; their tokens count as computed.
+        that has none yet; their tokens count as computed. `num_lookahead_tokens`
+        more slots are reserved past them (a draft model's proposals). Only blocks
+        full of the request's real tokens are registered in the prefix cache: draft
+        tokens are not in `all_token_ids`, so they are never hashed.
         """
         computed = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         num_total = num_computed + num_new_tokens
-        num_needed = -(-num_total // self.block_size) - len(blocks) - len(computed)
+        num_slots = num_total + num_lookahead_tokens
+        num_needed = -(-num_slots // self.block_size) - len(blocks) - len(computed)
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_evictable_hits:
             return None

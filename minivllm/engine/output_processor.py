@@ -140,9 +140,24 @@ class OutputProcessor:
             if stop_str is not None and not stop_terminated:
                 child.finish_reason, child.stop_reason = "stop", stop_str
                 hit_stop_string = out.finish_reason is None
+                self._drop_tokens_after_stop(child, len(out.new_token_ids), child.detokenizer)
         if parent.finished:
             metrics.finished_time = now
         return hit_stop_string
+
+    @staticmethod
+    def _drop_tokens_after_stop(child: ChildState, num_new: int, detokenizer: Any) -> None:
+        """Tokens that arrived in the same step after the one completing a stop string
+        (speculative decoding emits several) are not part of the output."""
+        extra = num_new - detokenizer.num_consumed
+        if extra <= 0:
+            return
+        dropped = child.token_ids[-extra:]
+        del child.token_ids[-extra:]
+        if child.logprobs is not None and len(child.logprobs) >= extra:
+            for token_id, entry in zip(dropped, child.logprobs[-extra:]):
+                child.cumulative_logprob -= entry[token_id].logprob
+            del child.logprobs[-extra:]
 
     def _convert(self, entry: TokenLogprobs) -> dict[int, Logprob]:
         decode = self.tokenizer.decode

@@ -55,6 +55,9 @@ class Request:
     num_preemptions: int = 0
     # sha256 digests of the full blocks of `all_token_ids`, filled by the KV cache manager.
     block_hashes: list[bytes] = field(default_factory=list)
+    # Draft tokens the runner proposed to follow `all_token_ids` (speculative decoding);
+    # never part of `all_token_ids`, so never hashed into the prefix cache.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

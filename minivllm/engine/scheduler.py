@@ -15,6 +15,7 @@ from minivllm.engine.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
+    SpecDecodeStats,
 )
 
 
@@ -34,6 +35,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.removed_req_ids: set[str] = set()
         self.num_preemptions = 0
+        self.spec_stats: SpecDecodeStats | None = None  # set when drafts are proposed
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -48,6 +50,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
         num_preemptions_before = self.num_preemptions
+        spec_tokens: dict[str, list[int]] = {}
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -58,6 +61,10 @@ class Scheduler:
                 break
             scheduled[request.request_id] = num_new
             budget -= num_new
+            # drafts follow the real tokens; the budget may have cut some
+            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
+            if num_drafts > 0:
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             cached_reqs.append(
                 CachedRequestData(
                     request.request_id,
@@ -74,7 +81,8 @@ class Scheduler:
             request = self.waiting[0]
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if self.kv.allocate_slots(request, num_new, computed_blocks) is None:
+            lookahead = self.config.num_lookahead_tokens
+            if self.kv.allocate_slots(request, num_new, computed_blocks, lookahead) is None:
                 break
             self.waiting.popleft()
             request.num_computed_tokens = num_hit
@@ -95,18 +103,23 @@ class Scheduler:
                 )
             )
 
-        output = SchedulerOutput(new_reqs, cached_reqs, scheduled, self.removed_req_ids)
+        output = SchedulerOutput(
+            new_reqs, cached_reqs, scheduled, self.removed_req_ids, spec_tokens
+        )
         self.removed_req_ids = set()
         for req_id, num in scheduled.items():
             self.requests[req_id].num_computed_tokens += num
         return output
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        return min(request.num_tokens - request.num_computed_tokens, budget)
+        """The rest of the request's real tokens, then its drafts, as far as the budget goes."""
+        num_pending = request.num_tokens + len(request.spec_token_ids)
+        return min(num_pending - request.num_computed_tokens, budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list | None:
+        lookahead = self.config.num_lookahead_tokens
         while True:
-            new_blocks = self.kv.allocate_slots(request, num_new)
+            new_blocks = self.kv.allocate_slots(request, num_new, None, lookahead)
             if new_blocks is not None:
                 return new_blocks
             victim = self.running.pop()
@@ -118,6 +131,7 @@ class Scheduler:
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.removed_req_ids.add(request.request_id)
@@ -134,6 +148,12 @@ class Scheduler:
                 continue  # aborted while the step ran
             new_token_ids = runner_output.sampled_token_ids.get(req_id, [])
             prompt_logprobs = runner_output.prompt_logprobs.get(req_id)
+            drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts:  # the rejected drafts' KV slots are free to be written again
+                num_accepted = len(new_token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self._observe_spec(len(drafts), num_accepted)
+            request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             if not new_token_ids and prompt_logprobs is None:
                 continue  # a prompt chunk: nothing to report yet
             kept = self._append_and_check_stop(request, new_token_ids)
@@ -152,6 +172,11 @@ class Scheduler:
             if request.status.is_finished:
                 self._free(request)
         return outputs
+
+    def _observe_spec(self, num_drafted: int, num_accepted: int) -> None:
+        if self.spec_stats is None:
+            self.spec_stats = SpecDecodeStats()
+        self.spec_stats.observe(num_drafted, num_accepted)
 
     def _append_and_check_stop(self, request: Request, token_ids: list[int]) -> list[int]:
         kept = []
@@ -208,4 +233,5 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.num_queries,
             prefix_cache_hits=self.kv.num_hits,
+            spec_decode=self.spec_stats,
         )

@@ -36,6 +36,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     # Requests the runner must forget (finished, aborted or preempted since the last step).
     removed_req_ids: set[str] = field(default_factory=set)
+    # req_id -> draft tokens to verify this step, after its last real token (in
+    # num_scheduled_tokens); drafts the budget or the length limits cut are dropped.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -62,6 +65,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> logprobs of the prompt tokens this step's chunk predicted.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # req_id -> draft tokens proposed for the next step (speculative decoding).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -85,3 +90,36 @@ class SchedulerStats:
     num_preemptions: int = 0  # total since start
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec_decode: SpecDecodeStats | None = None  # totals since start, with speculative decoding
+
+
+@dataclass(slots=True)
+class SpecDecodeStats:
+    """Speculative decoding totals (vLLM's `spec_decode_*` counters)."""
+
+    num_drafts: int = 0  # verification runs: requests that had drafts in a step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    # position i -> drafts accepted at draft position i
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    # position i -> verifications that had a draft at position i
+    num_draft_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        for per_pos in (self.num_accepted_tokens_per_pos, self.num_draft_tokens_per_pos):
+            per_pos += [0] * (num_drafted - len(per_pos))
+        for pos in range(num_drafted):
+            self.num_draft_tokens_per_pos[pos] += 1
+            self.num_accepted_tokens_per_pos[pos] += pos < num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification: accepted drafts plus the one the target adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -136,6 +136,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="bf16 on CPU: use minivllm's fused CPU kernels where they apply (default: on)",
     )
     run.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=d["speculative_config"],
+        help="speculative decoding, as vLLM's: e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+        '\'{"method": "draft_model", "model": "demo-draft", "num_speculative_tokens": 3}\'',
+    )
+    run.add_argument(
         "--attention-backend",
         metavar="NAME",
         default=d["attention_backend"],

@@ -57,6 +57,17 @@ class Sampler:
             and not changes_logits(meta)
         ):
             return self.argmax_kernel(logits)
+        greedy, probs = self.target_distribution(logits, meta)
+        if probs is None:
+            return greedy
+        sampled = self.draw(probs, meta.generators)
+        return torch.where(meta.is_greedy, greedy, sampled)
+
+    def target_distribution(
+        self, logits: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Every row's greedy token and, unless all rows are greedy, the probabilities the
+        random rows draw from: after biases, penalties, temperature, min-p, top-k and top-p."""
         # a copy even where the logits are float32 already: the steps below work in place,
         # and the caller still reads the raw logits for logprobs
         logits = logits.to(torch.float32, copy=True)
@@ -64,14 +75,13 @@ class Sampler:
         logits = apply_penalties(logits, meta)
         greedy = logits.argmax(dim=-1)
         if meta.all_greedy:
-            return greedy
+            return greedy, None
         logits = logits / meta.temperature.unsqueeze(1)
         if meta.min_p is not None:
             logits = apply_min_p(logits, meta.min_p)
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        sampled = self._draw(logits.softmax(dim=-1), meta.generators)
-        return torch.where(meta.is_greedy, greedy, sampled)
+        return greedy, logits.softmax(dim=-1)
 
     def _apply_biases(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         if meta.logit_bias is not None:
@@ -80,7 +90,9 @@ class Sampler:
             logits[row, token_ids] = float("-inf")
         return logits
 
-    def _draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    def draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """One token per row from (possibly unnormalised) `probs`; row i draws its noise from
+        `generators[i]` if given, else from the sampler's own generator."""
         noise = torch.empty_like(probs)
         if len(generators) < probs.shape[0]:
             noise.exponential_(generator=self.generator)

@@ -137,6 +137,30 @@ class InputBatch:
         _add_biases(meta, states, self.vocab_size, self.device)
         return meta
 
+    def metadata_for_verification(
+        self, req_ids: list[str], drafts: list[list[int]]
+    ) -> SamplingMetadata:
+        """One row per verified position: request i's rows 0..len(drafts[i]); row j sees
+        drafts[i][:j] as output tokens already (penalty counts, min_tokens bans)."""
+        rows = [self.row_of[r] for r, d in zip(req_ids, drafts) for _ in range(len(d) + 1)]
+        meta = self.metadata_for_rows(rows)  # repeated rows: gathered copies, safe to edit
+        meta.banned_token_ids = {}
+        out_row = 0
+        for req_id, req_drafts in zip(req_ids, drafts):
+            state = self.states[self.row_of[req_id]]
+            for j in range(len(req_drafts) + 1):
+                if j and meta.output_token_counts is not None:
+                    token = req_drafts[j - 1]
+                    meta.output_token_counts[
+                        out_row : out_row + len(req_drafts) + 1 - j, token
+                    ] += 1
+                    meta.seen_token_mask[out_row : out_row + len(req_drafts) + 1 - j, token] = True
+                banned = _banned_ids(state, len(state.output_token_ids) + j)
+                if banned:
+                    meta.banned_token_ids[out_row] = banned
+                out_row += 1
+        return meta
+
     def _allocate_penalty_state(self) -> None:
         shape = (self.capacity, self.vocab_size)
         self.output_token_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
@@ -183,12 +207,20 @@ def _add_biases(
                 meta.logit_bias = torch.zeros(len(states), vocab_size, device=device)
             for token_id, bias in params.logit_bias.items():
                 meta.logit_bias[row, token_id] = bias
-        if len(state.output_token_ids) < params.min_tokens:
-            banned = set(params.all_stop_token_ids)
-            if not params.ignore_eos:
-                banned |= state.eos_token_ids
-            if banned:
-                meta.banned_token_ids[row] = sorted(banned)
+        banned = _banned_ids(state, len(state.output_token_ids))
+        if banned:
+            meta.banned_token_ids[row] = banned
+
+
+def _banned_ids(state: CachedRequestState, num_output_tokens: int) -> list[int]:
+    """Stop and EOS ids a request may not produce while under `min_tokens`."""
+    params = state.sampling_params
+    if num_output_tokens >= params.min_tokens:
+        return []
+    banned = set(params.all_stop_token_ids)
+    if not params.ignore_eos:
+        banned |= state.eos_token_ids
+    return sorted(banned)
 
 
 def build_sampling_metadata(

@@ -14,12 +14,18 @@ from minivllm.distributed.parallel_state import tp_broadcast
 from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from minivllm.kernels.isa import cpu_model, isa_summary
 from minivllm.kernels.registry import select_kernels
-from minivllm.layers.attention import Attention, CommonAttentionMetadata, KVCacheSpec
+from minivllm.layers.attention import Attention, KVCacheSpec
+from minivllm.layers.attention.backend import build_common_metadata
 from minivllm.layers.attention.registry import select_attention_backend
 from minivllm.layers.forward_context import ForwardContext, forward_context
 from minivllm.layers.fused_decode import FusedLlamaDecode
 from minivllm.layers.sampler import Sampler
 from minivllm.loader.model_loader import load_model
+from minivllm.spec_decode.draft_model import DraftModelProposer
+from minivllm.spec_decode.ngram import NgramProposer
+from minivllm.spec_decode.profiling import profile_step_cost
+from minivllm.spec_decode.proposer import Proposer
+from minivllm.spec_decode.spec_decoder import SpecDecoder
 from minivllm.utils.memory import available_host_bytes, default_kv_cache_bytes
 from minivllm.worker.input_batch import InputBatch
 from minivllm.worker.request_state import CachedRequestState
@@ -33,7 +39,11 @@ class StepInputs:
     positions: torch.Tensor
     attn: Any  # the attention backend's metadata for this step
     sample_req_ids: list[str]  # requests whose last scheduled token yields a new token
-    logits_indices: list[int]  # hidden rows to project: sampling rows, then prompt-logprob rows
+    # per sampling request, the draft tokens it verifies this step (empty: none)
+    spec_drafts: list[list[int]]
+    # hidden rows to project: each sampling request's rows (its drafts' and the last
+    # token's), then prompt-logprob rows
+    logits_indices: list[int]
     # req_id -> (first row in logits_indices, target prompt token ids)
     prompt_logprob_rows: dict[str, tuple[int, list[int]]]
 
@@ -53,7 +63,12 @@ class ModelRunner:
             layer.get_kv_cache_spec(self.block_size, config.model.dtype)
             for layer in self.attention_layers
         ]
-        self.attn_backend = select_attention_backend(config.attention_backend, self.kernels)
+        spec = config.speculative_config
+        # verifying k drafts is a decode of 1 + k query tokens
+        decode_query_len = 1 + spec.num_speculative_tokens if spec else 1
+        self.attn_backend = select_attention_backend(
+            config.attention_backend, self.kernels, decode_query_len
+        )
         # Steps where every request decodes may run all layers in one kernel call (CPU bf16).
         self.fused_decode: FusedLlamaDecode | None = None
         fused = "off: enforce_eager"
@@ -64,9 +79,26 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator, self.kernels.op("argmax_bf16"))
+        self.spec_decoder = self._build_spec_decoder()
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, self.vocab_size, self.device)
         self._log_choices(fused)
+
+    def _build_spec_decoder(self) -> SpecDecoder | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        proposer: Proposer
+        if spec.method == "ngram":
+            proposer = NgramProposer(spec.num_speculative_tokens, *spec.prompt_lookup_range)
+        else:
+            proposer = DraftModelProposer(
+                spec, self.config, self.kernels, self.attn_backend, self.sampler
+            )
+            # the draft's layers share the target's blocks: one pool sizes and holds both
+            self.attention_layers += proposer.attention_layers
+            self.kv_cache_specs += proposer.kv_cache_specs
+        return SpecDecoder(spec, proposer, self.sampler, self.config.scheduler.max_model_len)
 
     def _available_bytes(self) -> int | None:
         """Host memory this rank may use for prepacked weights (the ranks of one host share it)."""
@@ -101,6 +133,9 @@ class ModelRunner:
         """One tensor per layer, allocated once, in the layout the attention backend chose."""
         for layer, spec in zip(self.attention_layers, self.kv_cache_specs):
             layer.kv_cache = self.attn_backend.allocate_kv_cache(spec, num_blocks, self.device)
+        spec = self.config.speculative_config
+        if spec is not None and spec.enable_adaptive_verification:
+            self.spec_decoder.enable_adaptive(profile_step_cost(self))
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -115,7 +150,8 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, inputs.positions)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         output = ModelRunnerOutput()
-        self._sample(inputs, logits[: len(inputs.sample_req_ids)], output)
+        num_sample_rows = len(inputs.sample_req_ids) + sum(map(len, inputs.spec_drafts))
+        self._sample(inputs, logits[:num_sample_rows], output)
         self._prompt_logprobs(inputs, logits, output)
         return output
 
@@ -123,6 +159,8 @@ class ModelRunner:
         for req_id in out.removed_req_ids:
             self.requests.pop(req_id, None)
         self.input_batch.remove(out.removed_req_ids)
+        if self.spec_decoder is not None:
+            self.spec_decoder.remove(out.removed_req_ids)
         eos = self.config.model.eos_token_ids
         for data in out.new_reqs:
             state = CachedRequestState.from_new(data, eos, self.device)
@@ -136,21 +174,24 @@ class ModelRunner:
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         token_ids, positions, slots = [], [], []
         cu_seqlens_q, seq_lens, block_tables = [0], [], []
-        sample_req_ids, sample_rows, prompt_rows = [], [], []
+        sample_req_ids, sample_rows, prompt_rows, spec_drafts = [], [], [], []
         for req_id, num in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + num
             first_row = cu_seqlens_q[-1]
-            token_ids.extend(state.token_ids[start:end])
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
+            tokens = state.token_ids + drafts if drafts else state.token_ids
+            token_ids.extend(tokens[start:end])
             positions.extend(range(start, end))
             blocks, size = state.block_ids, self.block_size
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
             cu_seqlens_q.append(first_row + num)
             seq_lens.append(end)
             block_tables.append(blocks)
-            if end == len(state.token_ids):
+            if end == len(tokens):  # rows of the last real token and of each draft
                 sample_req_ids.append(req_id)
-                sample_rows.append(first_row + num - 1)
+                spec_drafts.append(drafts)
+                sample_rows.extend(range(first_row + num - 1 - len(drafts), first_row + num))
             if state.sampling_params.prompt_logprobs is not None:
                 last = min(end, state.num_prompt_tokens - 1)  # position p predicts token p + 1
                 if last > start:
@@ -160,55 +201,62 @@ class ModelRunner:
         for req_id, rows, targets in prompt_rows:
             prompt_logprob_rows[req_id] = (len(logits_indices), targets)
             logits_indices.extend(rows)
-        common = self._common_metadata(slots, cu_seqlens_q, seq_lens, block_tables)
+        common = build_common_metadata(
+            slots, cu_seqlens_q, seq_lens, block_tables, self.block_size, self.device
+        )
         return StepInputs(
             torch.tensor(token_ids, device=self.device),
             torch.tensor(positions, device=self.device),
             self.attn_backend.build_metadata(common),
             sample_req_ids,
+            spec_drafts,
             logits_indices,
             prompt_logprob_rows,
-        )
-
-    def _common_metadata(
-        self,
-        slots: list[int],
-        cu_seqlens_q: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-    ) -> CommonAttentionMetadata:
-        num_blocks = [len(blocks) for blocks in block_tables]
-        width = max(num_blocks, default=0)
-        padded = [blocks + [0] * (width - len(blocks)) for blocks in block_tables]
-        return CommonAttentionMetadata(
-            query_start_loc=cu_seqlens_q,
-            seq_lens=seq_lens,
-            num_blocks=num_blocks,
-            block_table=torch.tensor(padded, dtype=torch.long, device=self.device).view(
-                len(padded), width
-            ),
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            block_size=self.block_size,
         )
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
         if not inputs.sample_req_ids:
             return
         states = [self.requests[r] for r in inputs.sample_req_ids]
-        meta = self.input_batch.sampling_metadata(inputs.sample_req_ids)
-        # Rank 0's draw is the one every TP rank continues from (identity with one rank).
-        sampled = tp_broadcast(self.sampler(logits, meta)).tolist()
+        if any(inputs.spec_drafts):
+            verified = self.spec_decoder.verify(
+                logits, states, inputs.spec_drafts, self.input_batch
+            )
+            emitted, rows = verified.emitted, verified.rows
+        else:
+            meta = self.input_batch.sampling_metadata(inputs.sample_req_ids)
+            # Rank 0's draw is the one every TP rank continues from (identity with one rank).
+            sampled = tp_broadcast(self.sampler(logits, meta)).tolist()
+            emitted, rows = [[t] for t in sampled], [[i] for i in range(len(sampled))]
+        self._logprobs(states, emitted, rows, logits, output)
+        for state, tokens in zip(states, emitted):
+            state.token_ids.extend(tokens)
+            output.sampled_token_ids[state.req_id] = tokens
+        self.input_batch.record_sampled(
+            [s.req_id for s, tokens in zip(states, emitted) for _ in tokens],
+            [t for tokens in emitted for t in tokens],
+        )
+        if self.spec_decoder is not None:
+            output.spec_token_ids = self.spec_decoder.propose(states)
+
+    def _logprobs(
+        self,
+        states: list[CachedRequestState],
+        emitted: list[list[int]],
+        rows: list[list[int]],
+        logits: torch.Tensor,
+        output: ModelRunnerOutput,
+    ) -> None:
+        """The raw distribution's logprobs of every emitted token (from its own logits row)."""
         want = [i for i, s in enumerate(states) if s.sampling_params.logprobs is not None]
-        if want:
-            raw = logits[want].float().log_softmax(dim=-1)
-            ks = [states[i].sampling_params.logprobs for i in want]
-            entries = token_logprobs(raw, [sampled[i] for i in want], ks)
-            for i, entry in zip(want, entries):
-                output.logprobs[states[i].req_id] = [entry]
-        for state, token_id in zip(states, sampled):
-            state.token_ids.append(token_id)
-            output.sampled_token_ids[state.req_id] = [token_id]
-        self.input_batch.record_sampled(inputs.sample_req_ids, sampled)
+        if not want:
+            return
+        flat_rows = [r for i in want for r in rows[i]]
+        raw = logits[flat_rows].float().log_softmax(dim=-1)
+        ks = [states[i].sampling_params.logprobs for i in want for _ in emitted[i]]
+        entries = iter(token_logprobs(raw, [t for i in want for t in emitted[i]], ks))
+        for i in want:
+            output.logprobs[states[i].req_id] = [next(entries) for _ in emitted[i]]
 
     def _prompt_logprobs(
         self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput

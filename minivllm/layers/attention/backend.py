@@ -53,6 +53,28 @@ class CommonAttentionMetadata:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
 
+def build_common_metadata(
+    slots: list[int],
+    query_start_loc: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: str | torch.device,
+) -> CommonAttentionMetadata:
+    """The step's metadata from Python lists (block tables zero-padded to one width)."""
+    num_blocks = [len(blocks) for blocks in block_tables]
+    width = max(num_blocks, default=0)
+    padded = [blocks + [0] * (width - len(blocks)) for blocks in block_tables]
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        num_blocks=num_blocks,
+        block_table=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_size=block_size,
+    )
+
+
 class AttentionBackend(ABC):
     """One family of attention kernels over one cache layout. Subclasses set `name`."""
 

@@ -1,0 +1,129 @@
+"""Adaptive verification: verify only the drafts that pay for themselves (vLLM #47808, #52228).
+
+Given every request's drafts and the estimator's conditional acceptance c_{r,k},
+the survival S_{r,k} = prod_{j<=k} c_{r,j} is the chance that draft k of request
+r is emitted. Verifying the B best (request, position) slots yields, in
+expectation, N + sum_{i<=B} s_(i) tokens (N: one token per sampling request,
+which verification always gives) for a step costing C_draft(R) + C_verify(N + B).
+Per step the planner takes the global argmax over B of that ratio (the cost
+curve is a staircase, so the maximum can sit anywhere) and keeps the B best
+slots; S falls along a request, so each request keeps a prefix of its drafts.
+
+The verify cost curve (seconds per target step against tokens) is profiled at
+start-up on this machine; the draft cost is measured online per number of
+requests. Without a profiled curve nothing is trimmed (every extra token
+would look free). The first `warmup_refits` refits verify full blocks, so the
+estimator's labels are not censored by its own trimming.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from minivllm.spec_decode.acceptance import AcceptanceEstimator
+
+
+@dataclass
+class CostCurve:
+    """Monotone piecewise-linear seconds against size, from measured points."""
+
+    sizes: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    @classmethod
+    def from_points(cls, points: dict[int, float]) -> CostCurve:
+        sizes = sorted(points)
+        seconds, running = [], 0.0
+        for size in sizes:  # a larger step never costs less (running max)
+            running = max(running, points[size])
+            seconds.append(running)
+        return cls(sizes, seconds)
+
+    def __call__(self, size: int) -> float:
+        if not self.sizes:
+            return 0.0
+        i = bisect.bisect_left(self.sizes, size)
+        if i < len(self.sizes) and self.sizes[i] == size:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.sizes):  # extrapolate along the last segment
+            i -= 1
+        lo, hi = i - 1, i
+        if self.sizes[hi] == self.sizes[lo]:
+            return self.seconds[hi]
+        frac = (size - self.sizes[lo]) / (self.sizes[hi] - self.sizes[lo])
+        return max(self.seconds[lo] + frac * (self.seconds[hi] - self.seconds[lo]), 0.0)
+
+
+class DraftCost:
+    """Exponential moving averages of the proposer's seconds, per power-of-two request count."""
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        self.alpha = alpha
+        self.buckets: dict[int, float] = {}
+
+    def observe(self, num_requests: int, seconds: float) -> None:
+        key = max(num_requests, 1).bit_length()
+        old = self.buckets.get(key)
+        self.buckets[key] = seconds if old is None else old + self.alpha * (seconds - old)
+
+    def __call__(self, num_requests: int) -> float:
+        return self.buckets.get(max(num_requests, 1).bit_length(), 0.0)
+
+
+@dataclass(slots=True)
+class Plan:
+    admitted: list[int]  # per request: how many of its drafts to verify
+    expected_tokens: float
+    expected_seconds: float
+
+
+class AdaptiveVerifier:
+    def __init__(self, num_positions: int, verify_cost: CostCurve, warmup_refits: int = 3) -> None:
+        self.estimator = AcceptanceEstimator(num_positions)
+        self.verify_cost = verify_cost
+        self.draft_cost = DraftCost()
+        self.warmup_refits = warmup_refits
+
+    @property
+    def warming_up(self) -> bool:
+        return self.estimator.num_refits < self.warmup_refits or not self.verify_cost.sizes
+
+    def survival(self, features: list[float], num_drafts: int) -> list[float]:
+        out, s = [], 1.0
+        for k in range(num_drafts):
+            s *= self.estimator.predict(k, features[k] if k < len(features) else 0.0)
+            out.append(s)
+        return out
+
+    def plan(
+        self, drafts: list[list[int]], features: list[list[float]], num_tokens_base: int
+    ) -> Plan:
+        """How many drafts of each request to verify next step. `num_tokens_base`: the
+        step's tokens without drafts (one per decode, plus any prefill)."""
+        num_reqs = len(drafts)
+        if self.warming_up:
+            return Plan([len(d) for d in drafts], float("nan"), float("nan"))
+        slots = [
+            (s, r)
+            for r, (d, f) in enumerate(zip(drafts, features))
+            for s in self.survival(f, len(d))
+        ]
+        slots.sort(key=lambda slot: -slot[0])
+        fixed = self.draft_cost(num_reqs)
+        best_b, best_rate, gained = 0, -1.0, 0.0
+        best_tokens, best_seconds = 0.0, 0.0
+        for b in range(len(slots) + 1):
+            if b:
+                gained += slots[b - 1][0]
+            tokens = num_reqs + gained
+            seconds = fixed + self.verify_cost(num_tokens_base + b)
+            rate = tokens / seconds if seconds > 0 else float("inf")
+            if rate > best_rate:
+                best_b, best_rate, best_tokens, best_seconds = b, rate, tokens, seconds
+        admitted = [0] * num_reqs
+        for _, r in slots[:best_b]:
+            admitted[r] += 1
+        return Plan(admitted, best_tokens, best_seconds)
