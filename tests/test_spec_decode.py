@@ -365,3 +365,47 @@ def test_tp2_speculation_matches_tp1(qwen3_dir, qwen3_llm, draft_dir):
         ]
     finally:
         two.llm_engine.shutdown()
+
+
+def test_the_server_streams_speculative_output_and_exports_its_counters(qwen3_dir, tmp_path):
+    import json as _json
+
+    import openai
+
+    from tests.server_utils import RemoteServer, metrics
+
+    spec = _json.dumps({**NGRAM, "num_speculative_tokens": 4})
+    server = RemoteServer(
+        qwen3_dir,
+        [
+            "--served-model-name",
+            "m",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--kv-cache-memory-bytes",
+            "4MiB",
+            "--speculative-config",
+            spec,
+        ],
+        tmp_path / "server.log",
+    )
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        prompt = "one two three one two three one two three one two"
+        args = dict(model="m", prompt=prompt, max_tokens=40, temperature=0)
+        whole = client.completions.create(**args).choices[0].text
+        chunks = [c.choices[0].text for c in client.completions.create(**args, stream=True)]
+        assert "".join(chunks) == whole
+        found = metrics(server)
+        drafted = found["minivllm:spec_decode_num_draft_tokens_total"]
+        accepted = found["minivllm:spec_decode_num_accepted_tokens_total"]
+        assert drafted > 0 and 0 <= accepted <= drafted
+        assert (
+            found['minivllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"}']
+            <= (found["minivllm:spec_decode_num_drafts_total"])
+        )
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]

@@ -13,7 +13,9 @@ The verify cost curve (seconds per target step against tokens) is profiled at
 start-up on this machine; the draft cost is measured online per number of
 requests. Without a profiled curve nothing is trimmed (every extra token
 would look free). The first `warmup_refits` refits verify full blocks, so the
-estimator's labels are not censored by its own trimming.
+estimator's labels are not censored by its own trimming; after that, one step
+in `explore_interval` still verifies every draft, so an estimator that has come
+to trim everything keeps receiving the labels that could change its mind.
 """
 
 from __future__ import annotations
@@ -81,11 +83,20 @@ class Plan:
 
 
 class AdaptiveVerifier:
-    def __init__(self, num_positions: int, verify_cost: CostCurve, warmup_refits: int = 3) -> None:
+    def __init__(
+        self,
+        num_positions: int,
+        verify_cost: CostCurve,
+        warmup_refits: int = 3,
+        explore_interval: int = 20,
+    ) -> None:
         self.estimator = AcceptanceEstimator(num_positions)
         self.verify_cost = verify_cost
         self.draft_cost = DraftCost()
         self.warmup_refits = warmup_refits
+        self.explore_interval = explore_interval
+        self.num_plans = 0
+        self.num_trimmed = 0  # draft slots not verified, in total
 
     @property
     def warming_up(self) -> bool:
@@ -104,7 +115,8 @@ class AdaptiveVerifier:
         """How many drafts of each request to verify next step. `num_tokens_base`: the
         step's tokens without drafts (one per decode, plus any prefill)."""
         num_reqs = len(drafts)
-        if self.warming_up:
+        self.num_plans += 1
+        if self.warming_up or self.num_plans % self.explore_interval == 0:
             return Plan([len(d) for d in drafts], float("nan"), float("nan"))
         slots = [
             (s, r)
@@ -126,4 +138,5 @@ class AdaptiveVerifier:
         admitted = [0] * num_reqs
         for _, r in slots[:best_b]:
             admitted[r] += 1
+        self.num_trimmed += len(slots) - best_b
         return Plan(admitted, best_tokens, best_seconds)
