@@ -27,7 +27,7 @@ def test_the_estimator_converges_on_a_known_acceptance_process():
     """Position k accepts (given k-1 did) with sigmoid(w_k x + b_k), x the draft's margin."""
     truth = [(0.6, -1.0), (0.3, 0.2), (0.0, -0.4)]
     rng = random.Random(0)
-    est = AcceptanceEstimator(num_positions=3, refit_interval=2000)
+    est = AcceptanceEstimator(3, refit_interval=2000, refit_observations=10**9)
     for _ in range(12):  # refits, each from its window's statistics only
         for _ in range(2000):
             xs = [rng.uniform(0, 8) for _ in truth]

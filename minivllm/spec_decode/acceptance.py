@@ -8,9 +8,11 @@ the model reduces to a per-position rate):
 
 Fitted by Newton steps (IRLS) from sufficient statistics, no observations kept:
 per position, H = sum c(1-c) [x, 1][x, 1]^T and g = sum (y - c) [x, 1] at the
-predictions made when the drafts were scored. Every `refit_interval` steps each
-position with enough observations takes one step theta += (H + ridge I)^-1 g and
-its statistics restart (so the fit follows drift). Labels are censoring-aware:
+predictions made when the drafts were scored. Every `refit_interval` steps, or
+sooner once the first position has `refit_observations` new observations (large
+batches gather them in a few steps), each position with enough observations
+takes one step theta += (H + ridge I)^-1 g and its statistics restart (so the fit
+follows drift). Labels are censoring-aware:
 with m drafts verified and a accepted, position k is observed iff k <= a and
 k < m, and is a success iff k < a.
 """
@@ -56,6 +58,7 @@ class PositionStats:
 class AcceptanceEstimator:
     num_positions: int
     refit_interval: int = 100
+    refit_observations: int = 400
     weights: list[float] = field(default_factory=list)
     biases: list[float] = field(default_factory=list)
     num_refits: int = 0
@@ -65,6 +68,7 @@ class AcceptanceEstimator:
         self.biases = [INIT_BIAS] * self.num_positions
         self.stats = [PositionStats() for _ in range(self.num_positions)]
         self.steps = 0
+        self.steps_since_refit = 0
 
     def predict(self, position: int, x: float) -> float:
         x = min(x, MAX_FEATURE)
@@ -80,7 +84,11 @@ class AcceptanceEstimator:
     def step(self) -> None:
         """Count a step; every `refit_interval` steps, refit."""
         self.steps += 1
-        if self.steps % self.refit_interval == 0:
+        self.steps_since_refit += 1
+        if (
+            self.steps_since_refit >= self.refit_interval
+            or self.stats[0].count >= self.refit_observations
+        ):
             self.refit()
 
     def refit(self) -> None:
@@ -89,6 +97,7 @@ class AcceptanceEstimator:
                 self._newton_step(k, s)
             self.stats[k] = PositionStats()
         self.num_refits += 1
+        self.steps_since_refit = 0
 
     def _newton_step(self, k: int, s: PositionStats) -> None:
         a, b, d = s.h_xx + RIDGE, s.h_x1, s.h_11 + RIDGE
