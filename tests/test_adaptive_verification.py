@@ -104,3 +104,20 @@ def test_adaptive_verification_trims_and_keeps_greedy_outputs(qwen3_dir, qwen3_l
     stats = llm.llm_engine.stats().spec_decode
     assert adaptive.estimator.num_refits > 0
     assert adaptive.num_trimmed > 0 and stats.num_draft_tokens > 0
+
+
+def test_drafting_stops_when_it_never_pays_except_for_explorers():
+    curve = CostCurve.from_points({1: 1.0, 2: 100.0})  # any draft doubles nothing but costs 100x
+    verifier = AdaptiveVerifier(2, curve, warmup_refits=0, explore_interval=5, explore_fraction=2)
+    drafted = []
+    for _ in range(20):
+        if verifier.should_draft() or verifier.exploring:
+            plan = verifier.plan([[1, 2]] * 4, [[], []] * 2, 4)
+            drafted.append(sum(plan.admitted))
+        else:
+            verifier.skip()
+            drafted.append(None)
+    # three empty plans, then only exploration steps (every 5th) draft, for every 2nd request
+    assert drafted[:3] == [0, 0, 0]
+    assert [i for i, d in enumerate(drafted) if d is not None][3:] == [4, 9, 14, 19]
+    assert all(drafted[i] == 2 * 2 for i in (4, 9, 14, 19))

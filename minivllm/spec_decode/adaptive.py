@@ -14,8 +14,11 @@ start-up on this machine; the draft cost is measured online per number of
 requests. Without a profiled curve nothing is trimmed (every extra token
 would look free). The first `warmup_refits` refits verify full blocks, so the
 estimator's labels are not censored by its own trimming; after that, one step
-in `explore_interval` still verifies every draft, so an estimator that has come
-to trim everything keeps receiving the labels that could change its mind.
+in `explore_interval` verifies every draft of one request in `explore_fraction`,
+so an estimator that has come to trim everything keeps receiving the labels that
+could change its mind. When the last `idle_plans` plans admitted nothing, the
+proposer is not even run (its cost is what made drafts unprofitable), except
+for the exploring requests.
 """
 
 from __future__ import annotations
@@ -89,14 +92,38 @@ class AdaptiveVerifier:
         verify_cost: CostCurve,
         warmup_refits: int = 3,
         explore_interval: int = 20,
+        explore_fraction: int = 8,
+        idle_plans: int = 3,
     ) -> None:
         self.estimator = AcceptanceEstimator(num_positions)
         self.verify_cost = verify_cost
         self.draft_cost = DraftCost()
         self.warmup_refits = warmup_refits
         self.explore_interval = explore_interval
+        self.explore_fraction = explore_fraction
+        self.idle_plans = idle_plans
         self.num_plans = 0
+        self.num_empty_plans = 0  # consecutive plans that admitted no draft
         self.num_trimmed = 0  # draft slots not verified, in total
+
+    @property
+    def exploring(self) -> bool:
+        """Whether the coming plan is an exploration step."""
+        return (self.num_plans + 1) % self.explore_interval == 0
+
+    def explorers(self, num_requests: int) -> list[int]:
+        """The requests an exploration step drafts fully for (rotating between steps)."""
+        step = max(self.explore_fraction, 1)
+        offset = (self.num_plans // self.explore_interval) % step
+        return list(range(offset % max(num_requests, 1), num_requests, step)) or [0]
+
+    def should_draft(self) -> bool:
+        """False once drafting has stopped paying: every request skips the proposer."""
+        return self.warming_up or self.num_empty_plans < self.idle_plans
+
+    def skip(self) -> None:
+        """A step on which nothing was proposed (still counts towards exploration)."""
+        self.num_plans += 1
 
     @property
     def warming_up(self) -> bool:
@@ -115,8 +142,9 @@ class AdaptiveVerifier:
         """How many drafts of each request to verify next step. `num_tokens_base`: the
         step's tokens without drafts (one per decode, plus any prefill)."""
         num_reqs = len(drafts)
+        exploring = self.exploring
         self.num_plans += 1
-        if self.warming_up or self.num_plans % self.explore_interval == 0:
+        if self.warming_up:
             return Plan([len(d) for d in drafts], float("nan"), float("nan"))
         slots = [
             (s, r)
@@ -138,5 +166,9 @@ class AdaptiveVerifier:
         admitted = [0] * num_reqs
         for _, r in slots[:best_b]:
             admitted[r] += 1
-        self.num_trimmed += len(slots) - best_b
+        self.num_empty_plans = 0 if best_b else self.num_empty_plans + 1
+        if exploring:
+            for r in self.explorers(num_reqs):
+                admitted[r] = len(drafts[r])
+        self.num_trimmed += len(slots) - sum(admitted)
         return Plan(admitted, best_tokens, best_seconds)

@@ -81,12 +81,21 @@ class SpecDecoder:
     def propose(self, states: list[CachedRequestState]) -> dict[str, list[int]]:
         """Drafts to follow each state's tokens, never past max_model_len or max_tokens."""
         limits = [self._max_drafts(state) for state in states]
+        adaptive = self.adaptive
+        if adaptive is not None and not adaptive.should_draft():
+            if not adaptive.exploring:
+                adaptive.skip()
+                self.proposals = {}
+                return {}
+            explorers = set(adaptive.explorers(len(states)))
+            limits = [n if i in explorers else 0 for i, n in enumerate(limits)]
         start = time.perf_counter()
         self.proposals = self.proposer.propose(states, limits)
         if self.config.rejection_sample_method == "synthetic":
             self._pad_synthetic(states, limits)
         if self.adaptive is not None:
-            self.adaptive.draft_cost.observe(len(states), time.perf_counter() - start)
+            num_drafting = sum(1 for n in limits if n > 0)
+            self.adaptive.draft_cost.observe(num_drafting, time.perf_counter() - start)
             self._trim(states)
         return {req_id: p.drafts for req_id, p in self.proposals.items()}
 
