@@ -58,7 +58,7 @@ class PositionStats:
 class AcceptanceEstimator:
     num_positions: int
     refit_interval: int = 100
-    refit_observations: int = 400
+    refit_observations: int = 200
     weights: list[float] = field(default_factory=list)
     biases: list[float] = field(default_factory=list)
     num_refits: int = 0

@@ -16,9 +16,10 @@ would look free). The first `warmup_refits` refits verify full blocks, so the
 estimator's labels are not censored by its own trimming; after that, one step
 in `explore_interval` verifies every draft of one request in `explore_fraction`,
 so an estimator that has come to trim everything keeps receiving the labels that
-could change its mind. When the last `idle_plans` plans admitted nothing, the
-proposer is not even run (its cost is what made drafts unprofitable), except
-for the exploring requests.
+could change its mind. Each plan also asks whether a whole speculative
+step (drafting included) beats a plain one; after `idle_plans` plans that say
+no, the proposer is not run at all, except for the exploring requests, until a
+plan says yes again.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class AdaptiveVerifier:
         self,
         num_positions: int,
         verify_cost: CostCurve,
-        warmup_refits: int = 3,
+        warmup_refits: int = 2,
         explore_interval: int = 20,
         explore_fraction: int = 8,
         idle_plans: int = 3,
@@ -103,7 +104,7 @@ class AdaptiveVerifier:
         self.explore_fraction = explore_fraction
         self.idle_plans = idle_plans
         self.num_plans = 0
-        self.num_empty_plans = 0  # consecutive plans that admitted no draft
+        self.num_empty_plans = 0  # consecutive plans by which drafting did not pay
         self.num_trimmed = 0  # draft slots not verified, in total
 
     @property
@@ -129,6 +130,21 @@ class AdaptiveVerifier:
     def warming_up(self) -> bool:
         return self.estimator.num_refits < self.warmup_refits or not self.verify_cost.sizes
 
+    def _best(
+        self, slots: list[tuple[float, int]], num_reqs: int, base: int, fixed: float
+    ) -> tuple[int, float, float]:
+        """(B, expected tokens, seconds) maximising tokens per second when the B best slots
+        are verified and `fixed` seconds are spent besides the verification."""
+        best = (0, float(num_reqs), fixed + self.verify_cost(base))
+        best_rate, gained = best[1] / max(best[2], 1e-12), 0.0
+        for b in range(1, len(slots) + 1):
+            gained += slots[b - 1][0]
+            seconds = fixed + self.verify_cost(base + b)
+            rate = (num_reqs + gained) / max(seconds, 1e-12)
+            if rate > best_rate:
+                best, best_rate = (b, num_reqs + gained, seconds), rate
+        return best
+
     def survival(self, features: list[float], num_drafts: int) -> list[float]:
         out, s = [], 1.0
         for k in range(num_drafts):
@@ -152,21 +168,17 @@ class AdaptiveVerifier:
             for s in self.survival(f, len(d))
         ]
         slots.sort(key=lambda slot: -slot[0])
-        fixed = self.draft_cost(num_reqs)
-        best_b, best_rate, gained = 0, -1.0, 0.0
-        best_tokens, best_seconds = 0.0, 0.0
-        for b in range(len(slots) + 1):
-            if b:
-                gained += slots[b - 1][0]
-            tokens = num_reqs + gained
-            seconds = fixed + self.verify_cost(num_tokens_base + b)
-            rate = tokens / seconds if seconds > 0 else float("inf")
-            if rate > best_rate:
-                best_b, best_rate, best_tokens, best_seconds = b, rate, tokens, seconds
+        # this step's drafts are paid for: verify the slots that raise tokens per second
+        best_b, best_tokens, best_seconds = self._best(slots, num_reqs, num_tokens_base, 0.0)
+        # drafting again pays only if a whole speculative step beats a plain one
+        draft_seconds = self.draft_cost(num_reqs)
+        spec = self._best(slots, num_reqs, num_tokens_base, draft_seconds)
+        plain_rate = num_reqs / max(self.verify_cost(num_tokens_base), 1e-12)
+        pays = spec[0] > 0 and spec[1] / max(spec[2], 1e-12) > plain_rate
+        self.num_empty_plans = 0 if pays else self.num_empty_plans + 1
         admitted = [0] * num_reqs
         for _, r in slots[:best_b]:
             admitted[r] += 1
-        self.num_empty_plans = 0 if best_b else self.num_empty_plans + 1
         if exploring:
             for r in self.explorers(num_reqs):
                 admitted[r] = len(drafts[r])
