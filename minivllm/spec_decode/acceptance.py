@@ -8,7 +8,9 @@ the model reduces to a per-position rate):
 
 Fitted by Newton steps (IRLS) from sufficient statistics, no observations kept:
 per position, H = sum c(1-c) [x, 1][x, 1]^T and g = sum (y - c) [x, 1] at the
-predictions made when the drafts were scored. Every `refit_interval` steps, or
+predictions made when the drafts were scored (at least MIN_OBSERVATIONS of them
+per position and window, so batch 1 refits after a few dozen steps). Every
+`refit_interval` steps, or
 sooner once the first position has `refit_observations` new observations (large
 batches gather them in a few steps), each position with enough observations
 takes one step theta += (H + ridge I)^-1 g and its statistics restart (so the fit
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 INIT_BIAS = 1.5  # sigmoid(1.5) ~ 0.82 before any data
 RIDGE = 1e-3
-MIN_OBSERVATIONS = 50
+MIN_OBSERVATIONS = 24
 MAX_FEATURE = 40.0
 
 
@@ -57,7 +59,7 @@ class PositionStats:
 @dataclass
 class AcceptanceEstimator:
     num_positions: int
-    refit_interval: int = 100
+    refit_interval: int = 32
     refit_observations: int = 200
     weights: list[float] = field(default_factory=list)
     biases: list[float] = field(default_factory=list)
