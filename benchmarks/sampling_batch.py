@@ -9,21 +9,9 @@ metadata and draw), medians of --reps runs. The same token-id prompts every run.
 from __future__ import annotations
 
 import argparse
-import platform
 import random
 import statistics
 import time
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -39,6 +27,7 @@ def main() -> None:
     import torch
 
     from minivllm import LLM, SamplingParams
+    from minivllm.kernels.isa import cpu_model, isa_summary
 
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -66,7 +55,9 @@ def main() -> None:
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
     tokens = args.batch * args.output_len
-    print(f"CPU: {cpu_model()}, {args.threads} threads, torch {torch.__version__}")
+    print(
+        f"CPU: {cpu_model()} [{isa_summary()}], {args.threads} threads, torch {torch.__version__}"
+    )
     print(
         f"{args.batch} x ({args.input_len} in, {args.output_len} out), temperature 1, top-p 0.95, "
         f"repetition/frequency/presence penalties: {tokens / seconds:.1f} output tok/s "
