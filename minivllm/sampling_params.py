@@ -94,6 +94,15 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
     @property
+    def uses_penalties(self) -> bool:
+        """Whether repetition, frequency or presence penalties change the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @property
     def max_stop_str_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
 

@@ -56,7 +56,7 @@ class RejectionSampler:
         greedy_list = greedy.tolist()
         emitted, accepted, final_rows, final_gens = [], [], [], {}
         for req in requests:
-            k, first = len(req.drafts), req.first_row
+            first = req.first_row
             num = self._num_accepted(req, greedy_list, probs)
             accepted.append(num)
             tokens = list(req.drafts[:num])
@@ -67,7 +67,6 @@ class RejectionSampler:
                 if req.generator is not None:
                     final_gens[len(final_rows) - 1] = req.generator
             emitted.append(tokens)
-            assert len(tokens) <= k + 1
         if final_rows:
             draws = self.sampler.draw(torch.stack(final_rows), final_gens).tolist()
             it = iter(draws)

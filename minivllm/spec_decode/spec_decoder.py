@@ -149,13 +149,7 @@ class SpecDecoder:
 
 def has_target_only_transforms(state: CachedRequestState) -> bool:
     p = state.sampling_params
-    return (
-        p.repetition_penalty != 1.0
-        or p.frequency_penalty != 0.0
-        or p.presence_penalty != 0.0
-        or bool(p.logit_bias)
-        or len(state.output_token_ids) < p.min_tokens
-    )
+    return p.uses_penalties or bool(p.logit_bias) or len(state.output_token_ids) < p.min_tokens
 
 
 def _broadcast(emitted: list[list[int]], width: int, device: torch.device) -> list[list[int]]:

@@ -69,7 +69,7 @@ class InputBatch:
         self.repetition_penalty[row] = p.repetition_penalty
         self.frequency_penalty[row] = p.frequency_penalty
         self.presence_penalty[row] = p.presence_penalty
-        if self.output_token_counts is None and _uses_penalties(state):
+        if self.output_token_counts is None and state.sampling_params.uses_penalties:
             self._allocate_penalty_state()  # fills every row, this one too
         elif self.output_token_counts is not None:
             self._fill_penalty_row(row)
@@ -189,11 +189,6 @@ class InputBatch:
             )
             grown[:old] = tensor
             setattr(self, name, grown)
-
-
-def _uses_penalties(state: CachedRequestState) -> bool:
-    p = state.sampling_params
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
 def _add_biases(
