@@ -108,8 +108,17 @@ def draft_dir(make_checkpoint):
     return make_checkpoint("Qwen3ForCausalLM", seed=1, num_hidden_layers=1)
 
 
-def _specs(draft_dir) -> dict[str, dict]:
+@pytest.fixture(scope="module")
+def eagle_dir(qwen3_dir, tmp_path_factory):
+    """A random EAGLE-1 head for the qwen3 target."""
+    from tests.test_eagle import make_eagle_head
+
+    return make_eagle_head(qwen3_dir, tmp_path_factory.mktemp("eagle"))
+
+
+def _specs(draft_dir, eagle_dir=None) -> dict[str, dict]:
     return {
+        "eagle": {"method": "eagle", "model": str(eagle_dir), "num_speculative_tokens": 3},
         "ngram": NGRAM,
         "draft_model": {
             "method": "draft_model",
@@ -128,10 +137,10 @@ def _specs(draft_dir) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize(
-    "method", ["ngram", "draft_model", "draft_model_probabilistic", "self_draft"]
+    "method", ["ngram", "draft_model", "draft_model_probabilistic", "self_draft", "eagle"]
 )
-def test_greedy_outputs_equal_plain_decoding(qwen3_dir, qwen3_llm, draft_dir, method):
-    spec = dict(_specs(draft_dir)[method])
+def test_greedy_outputs_equal_plain_decoding(qwen3_dir, qwen3_llm, draft_dir, eagle_dir, method):
+    spec = dict(_specs(draft_dir, eagle_dir)[method])
     if spec.get("model") == "SELF":
         spec["model"] = str(qwen3_dir)
     prompts = _prompts(8)
@@ -166,7 +175,7 @@ def test_greedy_outputs_equal_plain_decoding(qwen3_dir, qwen3_llm, draft_dir, me
 
 
 def test_preemption_prefix_caching_and_stop_tokens_under_speculation(
-    qwen3_dir, qwen3_llm, draft_dir
+    qwen3_dir, qwen3_llm, draft_dir, eagle_dir
 ):
     from tests.test_engine import small_block_bytes
 
@@ -180,7 +189,8 @@ def test_preemption_prefix_caching_and_stop_tokens_under_speculation(
         temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]
     )
     expected_stop = _run(qwen3_llm, prompts[1:2], stopping)
-    for spec in (NGRAM, _specs(draft_dir)["draft_model"]):
+    specs = _specs(draft_dir, eagle_dir)
+    for spec in (NGRAM, specs["draft_model"], specs["eagle"]):
         small = LLM(
             str(qwen3_dir),
             dtype="float32",
@@ -342,13 +352,14 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_there(qwen3_dir, q
     assert spec_llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
 
 
-def test_tp2_speculation_matches_tp1(qwen3_dir, qwen3_llm, draft_dir):
-    """The draft model is sharded like the target and runs on every rank; rank 0's drafts
-    and verification results are broadcast."""
+@pytest.mark.parametrize("method", ["draft_model_probabilistic", "eagle"])
+def test_tp2_speculation_matches_tp1(qwen3_dir, qwen3_llm, draft_dir, eagle_dir, method):
+    """The draft model (or EAGLE head) is sharded like the target and runs on every rank;
+    rank 0's drafts and verification results are broadcast."""
     prompts = _prompts(4, seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
     sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
-    spec = _specs(draft_dir)["draft_model_probabilistic"]
+    spec = _specs(draft_dir, eagle_dir)[method]
     engine = dict(
         dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=128, speculative_config=spec
     )

@@ -128,7 +128,19 @@ def resolve_draft_model(
             "(no config.json) nor a bundled model name"
         )
     draft = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    if draft.vocab_size != target_hf_config.vocab_size:
+    if config.method == "eagle":
+        if draft.hidden_size != target_hf_config.hidden_size:
+            raise ValueError(
+                f"speculative_config.model is an EAGLE head of hidden size {draft.hidden_size}, "
+                f"the target's is {target_hf_config.hidden_size}: the head must be trained on "
+                "this target's hidden states"
+            )
+        if getattr(draft, "num_hidden_layers", 1) != 1:
+            raise ValueError(
+                f"speculative_config.model has {draft.num_hidden_layers} layers; method 'eagle' "
+                "needs an EAGLE-1 head (one layer). Use method 'draft_model' for a full model"
+            )
+    elif draft.vocab_size != target_hf_config.vocab_size:
         raise ValueError(
             f"speculative_config.model has a vocabulary of {draft.vocab_size} tokens, the "
             f"target {target_hf_config.vocab_size}: a draft model must share the target's tokenizer"

@@ -140,8 +140,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         default=d["speculative_config"],
         help="speculative decoding, as vLLM's: e.g. "
-        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
-        '\'{"method": "draft_model", "model": "demo-draft", "num_speculative_tokens": 3}\'',
+        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\', '
+        '\'{"method": "draft_model", "model": "demo-draft", "num_speculative_tokens": 3}\' or '
+        '\'{"method": "eagle", "model": "demo-eagle", "num_speculative_tokens": 3}\' '
+        "(methods: ngram, draft_model, eagle; docs/speculative-decoding.md)",
     )
     run.add_argument(
         "--attention-backend",

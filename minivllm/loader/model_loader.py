@@ -38,13 +38,18 @@ def load_model(
     device: str,
     kernels: Kernels = TORCH,
     available_bytes: int | None = None,
+    model_cls: type[nn.Module] | None = None,
 ) -> nn.Module:
     """The model on `device`, its weights loaded and processed for `kernels`.
+
+    `model_cls` overrides the class the config's `architectures` name (an EAGLE head
+    is a Llama/Qwen3 config that only the speculative decoder builds as a head).
 
     `available_bytes` is the memory this rank may still use; where given, the
     linears may keep prepacked copies of their weights if those fit in an eighth of it.
     """
-    model_cls = resolve_model_class(getattr(config.hf_config, "architectures", None))
+    if model_cls is None:
+        model_cls = resolve_model_class(getattr(config.hf_config, "architectures", None))
     with torch.device(device), _default_dtype(config.dtype):
         model = model_cls(config.hf_config, config.max_model_len)
     model.load_weights(iterate_weights(config.model))

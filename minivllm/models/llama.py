@@ -168,6 +168,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
     def decoder_stack_parts(self) -> DecoderStackParts:
         """The layers as the fused decode step runs them (`layers/fused_decode.py`)."""
         inner = self.model

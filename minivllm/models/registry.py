@@ -23,6 +23,11 @@ def resolve_model_class(architectures: list[str] | None) -> type[nn.Module]:
         if arch in _MODELS:
             module, name = _MODELS[arch]
             return getattr(importlib.import_module(f"minivllm.models.{module}"), name)
+    if any(arch.startswith("Eagle") for arch in architectures or []):
+        raise ValueError(
+            f"this checkpoint ({architectures}) is an EAGLE draft head, not a model: serve its "
+            "target and pass the head as speculative_config={'method': 'eagle', 'model': ...}"
+        )
     raise ValueError(
         f"model architecture {architectures} is not supported; "
         f"supported: {', '.join(supported_architectures())}"

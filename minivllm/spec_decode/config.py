@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
 REJECTION_SAMPLE_METHODS = ("standard", "synthetic")
 MAX_SPECULATIVE_TOKENS = 16
@@ -16,8 +16,9 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     """How to draft and verify tokens (vLLM's `--speculative-config` fields and defaults).
 
-    - `method`: `ngram` (prompt lookup over the request's own tokens) or `draft_model`
-      (a small model with the target's vocabulary, named by `model`).
+    - `method`: `ngram` (prompt lookup over the request's own tokens), `draft_model`
+      (a small model with the target's vocabulary, named by `model`) or `eagle` (an
+      EAGLE-1 head trained on the target's hidden states, named by `model`).
     - `num_speculative_tokens` (k): drafts per request per step.
     - `prompt_lookup_min` / `prompt_lookup_max`: n-gram lengths searched (max required).
     - `draft_sample_method`: `greedy` drafts are the draft's argmax (verification treats
@@ -84,9 +85,10 @@ class SpeculativeConfig:
                     "distribution, which method 'ngram' does not have; use 'greedy'"
                 )
         elif not self.model:
+            bundled = "demo-draft" if self.method == "draft_model" else "demo-eagle"
             raise ValueError(
-                "speculative_config.model is required for method 'draft_model' (a checkpoint "
-                "directory or a bundled name such as 'demo-draft')"
+                f"speculative_config.model is required for method {self.method!r} (a checkpoint "
+                f"directory or a bundled name such as {bundled!r})"
             )
 
     def _check_synthetic(self) -> None:

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from minivllm.config import EngineConfig, ModelConfig
-from minivllm.distributed.parallel_state import tp_broadcast
 from minivllm.kernels.registry import Kernels
 from minivllm.layers.attention import Attention, KVCacheSpec
 from minivllm.layers.attention.backend import AttentionBackend, build_common_metadata
@@ -27,7 +26,7 @@ from minivllm.layers.forward_context import ForwardContext, forward_context
 from minivllm.layers.sampler import Sampler
 from minivllm.loader.model_loader import load_model
 from minivllm.spec_decode.config import SpeculativeConfig
-from minivllm.spec_decode.proposer import Proposal
+from minivllm.spec_decode.proposer import Proposal, TargetHiddenStates, choose_drafts
 from minivllm.worker.request_state import CachedRequestState
 
 
@@ -40,7 +39,12 @@ class DraftState:
     fed_drafts: list[int]
 
 
-class DraftModelProposer:
+class SharedCacheDrafter:
+    """A drafting network with KV cache layers of its own that sit in the target's blocks:
+    position p of a request uses the same slot in both caches (draft_model and eagle)."""
+
+    uses_hidden_states = False
+
     def __init__(
         self,
         config: SpeculativeConfig,
@@ -48,6 +52,7 @@ class DraftModelProposer:
         kernels: Kernels,
         backend: AttentionBackend,
         sampler: Sampler,
+        model_cls: type[nn.Module] | None = None,
     ) -> None:
         from transformers import AutoConfig
 
@@ -66,7 +71,7 @@ class DraftModelProposer:
         self.device = engine.device
         self.block_size = engine.cache.block_size
         self.probabilistic = config.draft_sample_method == "probabilistic"
-        self.model: nn.Module = load_model(model_config, self.device, kernels)
+        self.model: nn.Module = load_model(model_config, self.device, kernels, model_cls=model_cls)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache_specs: list[KVCacheSpec] = [
             layer.get_kv_cache_spec(self.block_size, engine.model.dtype)
@@ -74,6 +79,38 @@ class DraftModelProposer:
         ]
         self.backend = backend
         self.sampler = sampler
+
+    def observe_hidden_states(self, states: TargetHiddenStates) -> None:
+        return  # only EAGLE reads them
+
+    def _slot(self, state: CachedRequestState, position: int) -> int:
+        block = state.block_ids[position // self.block_size]
+        return block * self.block_size + position % self.block_size
+
+    def _newest_draft_inputs(
+        self, feed: list[tuple[CachedRequestState, list[int]]], lag: int
+    ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[list[int]]]:
+        """(ids, positions, slots, cu, seq_lens, tables) feeding each request's newest
+        draft d_j (of N tokens) at position N - 1 + j - lag: a draft model's at N - 1 + j,
+        an EAGLE head's, whose entry p holds token p + 1, at N - 2 + j (lag 1)."""
+        ids, positions, slots, seq_lens, tables = [], [], [], [], []
+        for state, drafts in feed:
+            pos = len(state.token_ids) - 1 + len(drafts) - lag
+            ids.append(drafts[-1])
+            positions.append(pos)
+            slots.append(self._slot(state, pos))
+            seq_lens.append(pos + 1)
+            tables.append(state.block_ids)
+        return ids, positions, slots, list(range(len(feed) + 1)), seq_lens, tables
+
+    def _context(self, slots, cu, seq_lens, tables) -> ForwardContext:
+        common = build_common_metadata(slots, cu, seq_lens, tables, self.block_size, self.device)
+        return ForwardContext((self.backend, self.backend.build_metadata(common)))
+
+
+class DraftModelProposer(SharedCacheDrafter):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.states: dict[str, DraftState] = {}
 
     def remove(self, req_ids: set[str]) -> None:
@@ -90,10 +127,10 @@ class DraftModelProposer:
         hidden = self._catch_up([s for s, _ in todo])
         active = list(range(len(todo)))
         while True:
-            logits = self.model.compute_logits(hidden).float()
-            tokens, probs = self._choose(logits, [todo[i][0] for i in active])
-            top2 = logits.topk(2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
-            margins = (top2[:, 0] - top2[:, 1]).clamp(max=40.0).tolist()
+            logits = self.model.compute_logits(hidden)
+            tokens, probs, margins = choose_drafts(
+                logits, [todo[i][0] for i in active], self.probabilistic, self.sampler
+            )
             for row, i in enumerate(active):
                 proposals[i].drafts.append(tokens[row])
                 proposals[i].margins.append(margins[row])
@@ -138,43 +175,10 @@ class DraftModelProposer:
 
     def _step(self, feed: list[tuple[CachedRequestState, list[int]]]) -> torch.Tensor:
         """Each request's newest draft, at the position after its real tokens and earlier drafts."""
-        ids, positions, slots, seq_lens, tables = [], [], [], [], []
-        for state, drafts in feed:
-            pos = len(state.token_ids) - 1 + len(drafts)
-            ids.append(drafts[-1])
-            positions.append(pos)
-            slots.append(self._slot(state, pos))
-            seq_lens.append(pos + 1)
-            tables.append(state.block_ids)
-        cu = list(range(len(feed) + 1))
-        return self._forward(ids, positions, slots, cu, seq_lens, tables)
-
-    def _slot(self, state: CachedRequestState, position: int) -> int:
-        block = state.block_ids[position // self.block_size]
-        return block * self.block_size + position % self.block_size
+        return self._forward(*self._newest_draft_inputs(feed, lag=0))
 
     def _forward(self, ids, positions, slots, cu, seq_lens, tables) -> torch.Tensor:
-        common = build_common_metadata(slots, cu, seq_lens, tables, self.block_size, self.device)
-        meta = self.backend.build_metadata(common)
-        with forward_context(ForwardContext((self.backend, meta))):
+        with forward_context(self._context(slots, cu, seq_lens, tables)):
             return self.model(
                 torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device)
             )
-
-    def _choose(
-        self, logits: torch.Tensor, states: list[CachedRequestState]
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """Each row's draft token (rank 0's on every TP rank) and, when drafting is
-        probabilistic, the distribution q = softmax(logits / T) it was drawn from."""
-        greedy = logits.argmax(dim=-1)
-        if not self.probabilistic:
-            return tp_broadcast(greedy).tolist(), None
-        params = [s.sampling_params for s in states]
-        temps = torch.tensor(
-            [1.0 if p.is_greedy else p.temperature for p in params], device=logits.device
-        )
-        probs = (logits / temps.unsqueeze(1)).softmax(dim=-1)
-        gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
-        is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-        tokens = torch.where(is_greedy, greedy, self.sampler.draw(probs, gens))
-        return tp_broadcast(tokens).tolist(), probs

@@ -11,11 +11,13 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from minivllm.spec_decode.proposer import Proposal
+from minivllm.spec_decode.proposer import Proposal, TargetHiddenStates
 from minivllm.worker.request_state import CachedRequestState
 
 
 class NgramProposer:
+    uses_hidden_states = False
+
     def __init__(self, num_speculative_tokens: int, min_n: int, max_n: int) -> None:
         self.k = num_speculative_tokens
         self.min_n, self.max_n = min_n, max_n
@@ -30,6 +32,9 @@ class NgramProposer:
 
     def remove(self, req_ids: set[str]) -> None:
         return  # keeps no per-request state
+
+    def observe_hidden_states(self, states: TargetHiddenStates) -> None:
+        return  # reads only the tokens
 
     def propose_one(self, token_ids: list[int], max_drafts: int) -> list[int]:
         """Drafts for one sequence, at most `min(k, max_drafts)` of them."""

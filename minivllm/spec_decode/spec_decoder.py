@@ -85,6 +85,8 @@ class SpecDecoder:
         if adaptive is not None and not adaptive.should_draft():
             if not adaptive.exploring:
                 adaptive.skip()
+                # no drafts, but a proposer that tracks the target (EAGLE) may catch up
+                self.proposer.propose(states, [0] * len(states))
                 self.proposals = {}
                 return {}
             explorers = set(adaptive.explorers(len(states)))

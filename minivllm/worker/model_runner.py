@@ -22,9 +22,10 @@ from minivllm.layers.fused_decode import FusedLlamaDecode
 from minivllm.layers.sampler import Sampler
 from minivllm.loader.model_loader import load_model
 from minivllm.spec_decode.draft_model import DraftModelProposer
+from minivllm.spec_decode.eagle import EagleProposer
 from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.spec_decode.profiling import profile_step_cost
-from minivllm.spec_decode.proposer import Proposer
+from minivllm.spec_decode.proposer import Proposer, TargetHiddenStates
 from minivllm.spec_decode.spec_decoder import SpecDecoder
 from minivllm.utils.memory import available_host_bytes, default_kv_cache_bytes
 from minivllm.worker.input_batch import InputBatch
@@ -46,6 +47,8 @@ class StepInputs:
     logits_indices: list[int]
     # req_id -> (first row in logits_indices, target prompt token ids)
     prompt_logprob_rows: dict[str, tuple[int, list[int]]]
+    # per scheduled request: (req_id, first position, first hidden row, number of rows)
+    spans: list[tuple[str, int, int, int]]
 
 
 class ModelRunner:
@@ -92,9 +95,11 @@ class ModelRunner:
         if spec.method == "ngram":
             proposer = NgramProposer(spec.num_speculative_tokens, *spec.prompt_lookup_range)
         else:
-            proposer = DraftModelProposer(
-                spec, self.config, self.kernels, self.attn_backend, self.sampler
-            )
+            args = (spec, self.config, self.kernels, self.attn_backend, self.sampler)
+            if spec.method == "eagle":
+                proposer = EagleProposer(*args, target=self.model)
+            else:
+                proposer = DraftModelProposer(*args)
             # the draft's layers share the target's blocks: one pool sizes and holds both
             self.attention_layers += proposer.attention_layers
             self.kv_cache_specs += proposer.kv_cache_specs
@@ -148,6 +153,10 @@ class ModelRunner:
         else:
             with forward_context(ForwardContext((self.attn_backend, inputs.attn))):
                 hidden = self.model(inputs.input_ids, inputs.positions)
+        if self.spec_decoder is not None and self.spec_decoder.proposer.uses_hidden_states:
+            self.spec_decoder.proposer.observe_hidden_states(
+                TargetHiddenStates(hidden, inputs.spans)
+            )
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         output = ModelRunnerOutput()
         num_sample_rows = len(inputs.sample_req_ids) + sum(map(len, inputs.spec_drafts))
@@ -174,7 +183,7 @@ class ModelRunner:
     def _prepare_inputs(self, out: SchedulerOutput) -> StepInputs:
         token_ids, positions, slots = [], [], []
         cu_seqlens_q, seq_lens, block_tables = [0], [], []
-        sample_req_ids, sample_rows, prompt_rows, spec_drafts = [], [], [], []
+        sample_req_ids, sample_rows, prompt_rows, spec_drafts, spans = [], [], [], [], []
         for req_id, num in out.num_scheduled_tokens.items():
             state = self.requests[req_id]
             start, end = state.num_computed_tokens, state.num_computed_tokens + num
@@ -186,6 +195,7 @@ class ModelRunner:
             blocks, size = state.block_ids, self.block_size
             slots.extend(blocks[p // size] * size + p % size for p in range(start, end))
             cu_seqlens_q.append(first_row + num)
+            spans.append((req_id, start, first_row, num))
             seq_lens.append(end)
             block_tables.append(blocks)
             if end == len(tokens):  # rows of the last real token and of each draft
@@ -212,6 +222,7 @@ class ModelRunner:
             spec_drafts,
             logits_indices,
             prompt_logprob_rows,
+            spans,
         )
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor, output: ModelRunnerOutput) -> None:
