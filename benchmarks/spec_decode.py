@@ -11,8 +11,9 @@
         --spec '{"method": "draft_model", "model": "demo-draft", "num_speculative_tokens": 3}'
 
 Every configuration (plain decoding first) generates the same prompts with greedy decoding
-and EOS ignored; output tok/s is end to end (medians of --reps), the ratio is against plain
-decoding in the same run, and acceptance is per draft position.
+and EOS ignored; output tok/s is end to end (medians of --reps, the configurations timed in
+turn within each repetition), the ratio is against plain decoding in the same run, and
+acceptance is per draft position (over all repetitions).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def make_prompts(kind: str, tokenizer, num: int, input_len: int) -> list[list[in
     return prompts
 
 
-def run(model: str, spec: dict | None, prompts, output_len: int, reps: int, dtype: str) -> dict:
+def make_engine(model: str, spec: dict | None, prompts, output_len: int, dtype: str):
     from minivllm import LLM, SamplingParams
 
     llm = LLM(
@@ -53,21 +54,39 @@ def run(model: str, spec: dict | None, prompts, output_len: int, reps: int, dtyp
         enable_prefix_caching=False,
         speculative_config=spec,
     )
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
+    return llm
+
+
+def time_once(llm, prompts, output_len: int) -> float:
+    from minivllm import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def measure(model: str, specs: list, prompts, output_len: int, reps: int, dtype: str) -> list:
+    """Every configuration's engine is built first; each repetition then times them in
+    turn, so a slow spell of the machine hits all of them rather than one."""
     batch = [{"prompt_token_ids": p} for p in prompts]
-    llm.generate(batch[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
-    times = []
+    engines = [make_engine(model, spec, batch, output_len, dtype) for spec in specs]
+    times = [[] for _ in specs]
     for _ in range(reps):
-        start = time.perf_counter()
-        llm.generate(batch, params, use_tqdm=False)
-        times.append(time.perf_counter() - start)
-    result = {"tok_s": len(prompts) * output_len / statistics.median(times)}
-    spec_stats = llm.get_metrics().get("spec_decode")
-    if spec_stats:
-        result["per_pos"] = spec_stats["acceptance_rate_per_position"]
-        result["mean_len"] = spec_stats["mean_acceptance_length"]
-    del llm
-    return result
+        for i, llm in enumerate(engines):
+            times[i].append(time_once(llm, batch, output_len))
+    results = []
+    for llm, t in zip(engines, times):
+        result = {"tok_s": len(prompts) * output_len / statistics.median(t)}
+        spec_stats = llm.get_metrics().get("spec_decode")
+        if spec_stats:
+            result["per_pos"] = spec_stats["acceptance_rate_per_position"]
+            result["mean_len"] = spec_stats["mean_acceptance_length"]
+        results.append(result)
+    for llm in engines:
+        llm.llm_engine.shutdown()
+    return results
 
 
 def main() -> None:
@@ -105,10 +124,9 @@ def main() -> None:
     print("| ---: | --- | ---: | ---: | ---: | --- |")
     for batch in args.batch:
         prompts = make_prompts(args.prompts, tokenizer, batch, args.input_len)
-        base = None
-        for spec in specs:
-            r = run(args.model, spec, prompts, args.output_len, args.reps, args.dtype)
-            base = base or r["tok_s"]
+        results = measure(args.model, specs, prompts, args.output_len, args.reps, args.dtype)
+        base = results[0]["tok_s"]
+        for spec, r in zip(specs, results):
             name = "plain" if spec is None else json.dumps(spec, separators=(",", ":"))
             per_pos = " ".join(f"{p:.2f}" for p in r.get("per_pos", []))
             mean_len = f"{r['mean_len']:.2f}" if "mean_len" in r else "-"

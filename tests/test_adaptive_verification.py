@@ -121,3 +121,12 @@ def test_drafting_stops_when_it_never_pays_except_for_explorers():
     assert drafted[:3] == [0, 0, 0]
     assert [i for i, d in enumerate(drafted) if d is not None][3:] == [4, 9, 14, 19]
     assert all(drafted[i] == 2 * 2 for i in (4, 9, 14, 19))
+
+
+def test_an_exploration_step_without_drafts_plans_nothing():
+    """At the end of a run every request may be at its token limit when an exploration
+    step comes: no drafts, no explorers, no crash (it once indexed an empty list)."""
+    verifier = AdaptiveVerifier(2, CostCurve.from_points({1: 1.0, 2: 2.0}), explore_interval=1)
+    assert verifier.exploring and verifier.explorers(0) == []
+    assert verifier.plan([], [], 3).admitted == []
+    assert verifier.plan([[4, 5]], [[1.0, 1.0]], 1).admitted == [2]  # explorers draft fully

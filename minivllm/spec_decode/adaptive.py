@@ -118,9 +118,11 @@ class AdaptiveVerifier:
 
     def explorers(self, num_requests: int) -> list[int]:
         """The requests an exploration step drafts fully for (rotating between steps)."""
+        if num_requests <= 0:
+            return []
         step = max(self.explore_fraction, 1)
         offset = (self.num_plans // self.explore_interval) % step
-        return list(range(offset % max(num_requests, 1), num_requests, step)) or [0]
+        return list(range(offset % num_requests, num_requests, step)) or [0]
 
     def should_draft(self) -> bool:
         """False once drafting has stopped paying: every request skips the proposer."""

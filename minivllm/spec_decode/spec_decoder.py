@@ -104,6 +104,9 @@ class SpecDecoder:
     def _trim(self, states: list[CachedRequestState]) -> None:
         """Keep only the drafts the adaptive planner admits."""
         ids = [s.req_id for s in states if s.req_id in self.proposals]
+        if not ids:  # nothing drafted (every request at its limit): no plan to make
+            self.adaptive.skip()
+            return
         proposals = [self.proposals[r] for r in ids]
         plan = self.adaptive.plan(
             [p.drafts for p in proposals], [p.margins for p in proposals], len(states)
