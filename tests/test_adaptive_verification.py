@@ -130,3 +130,27 @@ def test_an_exploration_step_without_drafts_plans_nothing():
     assert verifier.exploring and verifier.explorers(0) == []
     assert verifier.plan([], [], 3).admitted == []
     assert verifier.plan([[4, 5]], [[1.0, 1.0]], 1).admitted == [2]  # explorers draft fully
+
+
+def test_whether_drafting_pays_is_judged_for_the_whole_batch():
+    """Explorers (a few requests) stand in for the batch: drafting resumes only if every
+    request drafting would pay, at the whole batch's draft cost."""
+    curve = CostCurve.from_points({1: 1.0, 64: 1.0, 128: 1.1, 256: 1.3})
+    verifier = AdaptiveVerifier(3, curve, explore_interval=10**9)
+    verifier.draft_cost.observe(64, 5.0)  # drafting for 64 requests: 5x a plain step
+    verifier.draft_cost.observe(8, 0.05)
+    drafts, features = [[1, 2, 3]] * 8, [[9.0, 9.0, 9.0]] * 8
+    verifier.plan(drafts, features, num_tokens_base=64, num_requests=64)
+    # 8 cheap drafters would have paid; 64 lose by far more than a fifth: stop at once
+    assert not verifier.should_draft()
+    verifier.plan(drafts, features, num_tokens_base=8)  # only these 8 requests exist
+    assert verifier.num_empty_plans == 0 and verifier.should_draft()
+
+
+def test_an_unobserved_draft_cost_scales_from_the_nearest_bucket():
+    verifier = AdaptiveVerifier(2, CostCurve.from_points({1: 1.0}))
+    assert verifier.draft_cost(64) == 0.0  # nothing observed yet
+    verifier.draft_cost.observe(8, 0.5)
+    assert verifier.draft_cost(8) == 0.5
+    assert verifier.draft_cost(64) == pytest.approx(4.0)  # 3 buckets up: 8x
+    assert verifier.draft_cost(2) == pytest.approx(0.125)

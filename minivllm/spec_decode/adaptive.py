@@ -21,9 +21,9 @@ warm-up was all a run did (measured 0.68x plain before, 1.04x without); after th
 in `explore_interval` verifies every draft of one request in `explore_fraction`,
 so an estimator that has come to trim everything keeps receiving the labels that
 could change its mind. Each plan also asks whether a whole speculative
-step (drafting included) beats a plain one; after `idle_plans` plans that say
-no, the proposer is not run at all, except for the exploring requests, until a
-plan says yes again.
+step (drafting included, for every request) beats a plain one; after `idle_plans`
+plans that say no (or one that says it loses by more than a fifth), the proposer
+is not run at all, except for the exploring requests, until a plan says yes again.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ import bisect
 from dataclasses import dataclass, field
 
 from minivllm.spec_decode.acceptance import AcceptanceEstimator
+
+# a plan whose whole speculative step runs below this share of a plain step's tokens per
+# second stops drafting at once, without waiting for `idle_plans` such plans
+CLEAR_LOSS = 0.8
 
 
 @dataclass
@@ -80,7 +84,13 @@ class DraftCost:
         self.buckets[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
     def __call__(self, num_requests: int) -> float:
-        return self.buckets.get(max(num_requests, 1).bit_length(), 0.0)
+        """The bucket's average; an unobserved bucket scales its nearest observed one
+        (proportionally to the request count), and nothing observed costs nothing."""
+        key = max(num_requests, 1).bit_length()
+        if key in self.buckets or not self.buckets:
+            return self.buckets.get(key, 0.0)
+        nearest = min(self.buckets, key=lambda k: (abs(k - key), -k))
+        return self.buckets[nearest] * 2.0 ** (key - nearest)
 
 
 @dataclass(slots=True)
@@ -137,16 +147,22 @@ class AdaptiveVerifier:
         return self.estimator.num_refits < self.warmup_refits or not self.verify_cost.sizes
 
     def _best(
-        self, slots: list[tuple[float, int]], num_reqs: int, base: int, fixed: float
+        self,
+        slots: list[tuple[float, int]],
+        num_reqs: int,
+        base: int,
+        fixed: float,
+        scale: float = 1.0,
     ) -> tuple[int, float, float]:
         """(B, expected tokens, seconds) maximising tokens per second when the B best slots
-        are verified and `fixed` seconds are spent besides the verification."""
+        are verified and `fixed` seconds are spent besides the verification; `scale`
+        extrapolates the slots of the drafting requests to `scale` times as many."""
         best = (0, float(num_reqs), fixed + self.verify_cost(base))
         best_rate, gained = best[1] / max(best[2], 1e-12), 0.0
         for b in range(1, len(slots) + 1):
             gained += slots[b - 1][0]
-            seconds = fixed + self.verify_cost(base + b)
-            rate = (num_reqs + gained) / max(seconds, 1e-12)
+            seconds = fixed + self.verify_cost(base + round(scale * b))
+            rate = (num_reqs + scale * gained) / max(seconds, 1e-12)
             if rate > best_rate:
                 best, best_rate = (b, num_reqs + gained, seconds), rate
         return best
@@ -159,11 +175,18 @@ class AdaptiveVerifier:
         return out
 
     def plan(
-        self, drafts: list[list[int]], features: list[list[float]], num_tokens_base: int
+        self,
+        drafts: list[list[int]],
+        features: list[list[float]],
+        num_tokens_base: int,
+        num_requests: int | None = None,
     ) -> Plan:
         """How many drafts of each request to verify next step. `num_tokens_base`: the
-        step's tokens without drafts (one per decode, plus any prefill)."""
+        step's tokens without drafts (one per decode, plus any prefill); `num_requests`:
+        the requests that gain a token next step, drafting or not (default: those with
+        drafts)."""
         num_reqs = len(drafts)
+        total = max(num_requests if num_requests is not None else num_reqs, num_reqs)
         exploring = self.exploring
         self.num_plans += 1
         if self.warming_up:
@@ -175,13 +198,22 @@ class AdaptiveVerifier:
         ]
         slots.sort(key=lambda slot: -slot[0])
         # this step's drafts are paid for: verify the slots that raise tokens per second
-        best_b, best_tokens, best_seconds = self._best(slots, num_reqs, num_tokens_base, 0.0)
-        # drafting again pays only if a whole speculative step beats a plain one
-        draft_seconds = self.draft_cost(num_reqs)
-        spec = self._best(slots, num_reqs, num_tokens_base, draft_seconds)
-        plain_rate = num_reqs / max(self.verify_cost(num_tokens_base), 1e-12)
-        pays = spec[0] > 0 and spec[1] / max(spec[2], 1e-12) > plain_rate
-        self.num_empty_plans = 0 if pays else self.num_empty_plans + 1
+        best_b, best_tokens, best_seconds = self._best(slots, total, num_tokens_base, 0.0)
+        # drafting again pays only if a whole speculative step, with every request
+        # drafting, beats a plain one; when only some drafted (explorers, n-gram misses)
+        # their slots stand in for everyone's, and the draft cost is the whole batch's
+        draft_seconds = self.draft_cost(total)
+        scale = total / max(num_reqs, 1)
+        spec = self._best(slots, total, num_tokens_base, draft_seconds, scale)
+        plain_rate = total / max(self.verify_cost(num_tokens_base), 1e-12)
+        spec_rate = spec[1] / max(spec[2], 1e-12)
+        pays = spec[0] > 0 and spec_rate > plain_rate
+        if pays:
+            self.num_empty_plans = 0
+        elif spec_rate < CLEAR_LOSS * plain_rate:  # far behind: no need to confirm it
+            self.num_empty_plans = max(self.num_empty_plans + 1, self.idle_plans)
+        else:
+            self.num_empty_plans += 1
         admitted = [0] * num_reqs
         for _, r in slots[:best_b]:
             admitted[r] += 1

@@ -18,6 +18,7 @@ Each emitted token is then distributed exactly as the target would have sampled 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,15 @@ class RejectionSampler:
         self.synthetic_rates = synthetic_rates
 
     def __call__(
-        self, logits: torch.Tensor, meta: SamplingMetadata, requests: list[VerifyRequest]
+        self,
+        logits: torch.Tensor,
+        meta: SamplingMetadata,
+        requests: list[VerifyRequest],
+        mark_final: Callable | None = None,
     ) -> VerifyResult:
-        """`logits`: [sum(len(drafts) + 1), V], one row per verified position; `meta` per row."""
+        """`logits`: [sum(len(drafts) + 1), V], one row per verified position; `meta` per row.
+        `mark_final(probs, request_indices, accepted_drafts, draws)` may replace the
+        random requests' final draws (the watermark's keyed choice)."""
         self.device = logits.device
         greedy, probs = self.sampler.target_distribution(logits, meta)
         greedy_list = greedy.tolist()
@@ -68,7 +75,12 @@ class RejectionSampler:
                     final_gens[len(final_rows) - 1] = req.generator
             emitted.append(tokens)
         if final_rows:
-            draws = self.sampler.draw(torch.stack(final_rows), final_gens).tolist()
+            final = torch.stack(final_rows)
+            draws = self.sampler.draw(final, final_gens)
+            if mark_final is not None:
+                which = [i for i, req in enumerate(requests) if not req.is_greedy]
+                draws = mark_final(final, which, [emitted[i] for i in which], draws)
+            draws = draws.tolist()
             it = iter(draws)
             for req, tokens in zip(requests, emitted):
                 if not req.is_greedy:

@@ -42,6 +42,8 @@ class SpecDecoder:
         self.proposals: dict[str, Proposal] = {}
         # set by the runner once it has profiled its step cost (enable_adaptive_verification)
         self.adaptive: AdaptiveVerifier | None = None
+        # set by the runner when the engine watermarks (`watermark/generation.py`)
+        self.watermarker = None
 
     def enable_adaptive(self, verify_cost: CostCurve) -> None:
         self.adaptive = AdaptiveVerifier(self.k, verify_cost)
@@ -72,7 +74,15 @@ class SpecDecoder:
             )
             rows.append(list(range(first, first + len(req_drafts) + 1)))
             first += len(req_drafts) + 1
-        result = self.rejection_sampler(logits, meta, requests)
+        mark_final = None
+        if self.watermarker is not None:
+            key = self.watermarker.key_b
+
+            def mark_final(probs, which, accepted, draws):
+                chosen = [states[i] for i in which]
+                return self.watermarker.mark(probs, chosen, accepted, draws, key)
+
+        result = self.rejection_sampler(logits, meta, requests, mark_final)
         emitted = _broadcast(result.emitted, self.k + 1, logits.device)
         if self.adaptive is not None:
             self._learn(states, drafts, emitted)
@@ -109,7 +119,7 @@ class SpecDecoder:
             return
         proposals = [self.proposals[r] for r in ids]
         plan = self.adaptive.plan(
-            [p.drafts for p in proposals], [p.margins for p in proposals], len(states)
+            [p.drafts for p in proposals], [p.margins for p in proposals], len(states), len(states)
         )
         for req_id, proposal, keep in zip(ids, proposals, plan.admitted):
             proposal.drafts = proposal.drafts[:keep]
