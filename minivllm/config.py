@@ -167,6 +167,8 @@ class EngineConfig:
     attention_backend: str | None = None
     # Speculative decoding (`spec_decode/config.py`); None: off.
     speculative_config: Any = None
+    # Watermarking of sampled tokens (`watermark/config.py`); None: off.
+    watermark_config: Any = None
 
     def __post_init__(self) -> None:
         self.parallel.verify(self.model.hf_config, self.device)

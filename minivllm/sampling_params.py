@@ -15,6 +15,9 @@ class SamplingParams:
     `temperature=0` means greedy. `logprobs=k` returns the top-k log-probabilities
     of the model's raw distribution (plus the sampled token) at each step;
     `prompt_logprobs=k` does the same for every prompt position after the first.
+    `watermarking=False` opts this request out of the engine's watermark (None or True:
+    watermarked when the engine has a `watermark_config`; a server started with
+    `--watermark-enforce` refuses the opt-out).
     """
 
     n: int = 1
@@ -38,6 +41,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    watermarking: bool | None = None
     # Resolved by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -84,6 +88,8 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.watermarking is not None and not isinstance(self.watermarking, bool):
+            raise TypeError(f"watermarking must be a bool or None, got {self.watermarking!r}")
         for token_id, bias in (self.logit_bias or {}).items():
             _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
         if self.stop and not self.detokenize:

@@ -20,6 +20,7 @@ from minivllm.config import (
     resolve_dtype,
 )
 from minivllm.spec_decode.config import SpeculativeConfig
+from minivllm.watermark.config import WatermarkConfig
 
 logger = logging.getLogger("minivllm")
 
@@ -46,6 +47,8 @@ class EngineArgs:
     attention_backend: str | None = None
     # vLLM's speculative_config: a dict, or its JSON text (`--speculative-config`)
     speculative_config: dict[str, Any] | str | None = None
+    # vLLM's watermark_config: a dict, or its JSON text (`--watermark-config`)
+    watermark_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -85,6 +88,8 @@ class EngineArgs:
         speculative = SpeculativeConfig.from_value(self.speculative_config)
         if speculative is not None:
             speculative = resolve_draft_model(speculative, hf_config, self.trust_remote_code)
+        watermark = WatermarkConfig.from_value(self.watermark_config)
+        check_watermark_with_speculation(watermark, speculative)
         # a draft model writes the keys of its k proposals past each decode's tokens
         lookahead = speculative.num_speculative_tokens if speculative and speculative.model else 0
         return EngineConfig(
@@ -101,6 +106,7 @@ class EngineArgs:
             cpu_kernels=self.cpu_kernels,
             attention_backend=self.attention_backend,
             speculative_config=speculative,
+            watermark_config=watermark,
         )
 
 
@@ -146,6 +152,38 @@ def resolve_draft_model(
             f"target {target_hf_config.vocab_size}: a draft model must share the target's tokenizer"
         )
     return dataclasses.replace(config, model=path)
+
+
+def check_watermark_with_speculation(
+    watermark: WatermarkConfig | None, speculative: SpeculativeConfig | None
+) -> None:
+    """Which watermark and speculative-decoding combinations can run, refused before any
+    model loads (vLLM's rules; docs/watermarking.md)."""
+    if watermark is None or speculative is None:
+        return
+    if watermark.algorithm == "gumbel" and not watermark.allow_target_only_watermarking:
+        raise ValueError(
+            "watermark_config.algorithm 'gumbel' cannot watermark speculative drafts without "
+            "biasing verification: use 'dual_key_gumbel', or set "
+            "watermark_config.allow_target_only_watermarking to watermark only the recovery "
+            "and bonus tokens"
+        )
+    if watermark.algorithm == "dual_key_gumbel":
+        if speculative.method not in ("draft_model", "eagle"):
+            raise ValueError(
+                f"watermark_config.algorithm 'dual_key_gumbel' needs a model-based draft method "
+                f"(draft_model or eagle) with a draft distribution, not {speculative.method!r}"
+            )
+        if speculative.draft_sample_method != "probabilistic":
+            raise ValueError(
+                "watermark_config.algorithm 'dual_key_gumbel' with speculative decoding needs "
+                "speculative_config.draft_sample_method 'probabilistic'"
+            )
+        if speculative.rejection_sample_method != "standard":
+            raise ValueError(
+                "watermark_config.algorithm 'dual_key_gumbel' with speculative decoding needs "
+                "speculative_config.rejection_sample_method 'standard'"
+            )
 
 
 def resolve_init_method(init_method: str | None, nnodes: int) -> str | None:

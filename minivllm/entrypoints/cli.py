@@ -146,6 +146,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(methods: ngram, draft_model, eagle; docs/speculative-decoding.md)",
     )
     run.add_argument(
+        "--watermark-config",
+        metavar="JSON",
+        default=d["watermark_config"],
+        help="watermark every sampled output, as vLLM's: e.g. "
+        '\'{"algorithm": "gumbel", "key_env": "WM_KEY"}\'; give the key by key_env or '
+        "key_file rather than key, so it stays out of process lists (docs/watermarking.md)",
+    )
+    run.add_argument(
         "--attention-backend",
         metavar="NAME",
         default=d["attention_backend"],
@@ -212,6 +220,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not log one line per HTTP request",
     )
+    server.add_argument(
+        "--watermark-enforce",
+        action="store_true",
+        help="refuse requests that opt out of the watermark ('watermarking': false) with a 400",
+    )
+    server.add_argument(
+        "--watermark-public-detection",
+        action="store_true",
+        help="leave POST /v1/watermark/detect open without the API key (everything else "
+        "still needs it): the public may check texts but not generate",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,21 +245,107 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="start the OpenAI-compatible HTTP server",
         description="Start an OpenAI-compatible server (/v1/completions, /v1/chat/completions, "
-        "/v1/models, /tokenize, /detokenize, /health, /version, /metrics).",
+        "/v1/models, /tokenize, /detokenize, /v1/watermark/detect, /health, /version, /metrics).",
     )
     serve.add_argument(
         "model",
         nargs="?",
         default=DEFAULT_MODEL,
         help="a HF checkpoint directory, or a bundled demo model name "
-        f"(demo-base, demo-draft); default: {DEFAULT_MODEL}",
+        f"(demo-base, demo-draft, demo-sparse); default: {DEFAULT_MODEL}",
     )
     add_server_args(serve)
     add_engine_args(serve)
     worker_cli.add_multinode_args(serve)
     serve.set_defaults(handler=serve_command)
     worker_cli.add_parser(commands)
+    add_watermark_parser(commands)
     return parser
+
+
+def add_watermark_parser(commands) -> None:
+    watermark = commands.add_parser(
+        "watermark",
+        help="check texts for a watermark",
+        description="Watermark tools (docs/watermarking.md).",
+    )
+    sub = watermark.add_subparsers(dest="watermark_command", metavar="COMMAND")
+    sub.required = True
+    detect = sub.add_parser(
+        "detect",
+        help="test whether a completion carries a key's watermark",
+        description="Score a completion (not its prompt) under the watermark config; exit "
+        "status 0 if watermarked, 1 if not, 2 on bad input.",
+    )
+    detect.add_argument(
+        "file", nargs="?", default="-", help="the completion's text (default: stdin)"
+    )
+    detect.add_argument(
+        "--watermark-config",
+        metavar="JSON",
+        required=True,
+        help="the generation's config (key by key_env or key_file; algorithm, alpha and "
+        "context_width must match the generation's)",
+    )
+    detect.add_argument(
+        "--tokenizer",
+        default=DEFAULT_MODEL,
+        help="the model whose tokenizer generated the text (default: %(default)s)",
+    )
+    detect.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="the input is a JSON list of token ids instead of text",
+    )
+    detect.add_argument(
+        "--threshold",
+        type=float,
+        default=0.01,
+        help="p-value at or below which the text counts as watermarked (default: %(default)s)",
+    )
+    detect.add_argument("--json", action="store_true", help="print the result as JSON")
+    detect.set_defaults(handler=watermark_detect_command)
+
+
+def watermark_detect_command(args: argparse.Namespace) -> int:
+    import json
+
+    from minivllm.watermark.config import WatermarkConfig
+    from minivllm.watermark.detector import detect
+
+    try:
+        config = WatermarkConfig.from_value(args.watermark_config)
+        if args.file == "-":
+            data = sys.stdin.read()
+        else:
+            with open(args.file, encoding="utf-8") as f:
+                data = f.read()
+        if args.token_ids:
+            ids = json.loads(data)
+            if not isinstance(ids, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids
+            ):
+                raise ValueError("--token-ids: the input must be a JSON list of token ids")
+        else:
+            from transformers import AutoTokenizer
+
+            from minivllm.engine.arg_utils import resolve_model_path
+
+            tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer))
+            ids = tokenizer(data, add_special_tokens=False).input_ids
+        result = detect(ids, config, args.threshold)
+    except (ValueError, TypeError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        verdict = "watermarked" if result.is_watermarked else "not watermarked"
+        print(
+            f"{verdict}: p = {result.p_value:.3g} (log10 {result.log10_p_value:.1f}), "
+            f"z = {result.z_score:.2f}, {result.num_scored_tokens} tokens scored"
+        )
+    return 0 if result.is_watermarked else 1
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -279,6 +384,8 @@ def serve_command(args: argparse.Namespace) -> int:
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
+            watermark_enforce=args.watermark_enforce,
+            watermark_public_detection=args.watermark_public_detection,
         )
     except (ValueError, TypeError) as exc:
         logger.error("%s", exc)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from minivllm.utils.json_config import config_dict
 
 METHODS = ("ngram", "draft_model", "eagle")
 DRAFT_SAMPLE_METHODS = ("greedy", "probabilistic")
@@ -121,25 +122,9 @@ class SpeculativeConfig:
         """From a dict (`LLM(speculative_config={...})`) or a JSON string (`--speculative-config`)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise TypeError(
-                f"speculative_config must be a dict or JSON object, got {type(value).__name__}"
-            )
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(
-                f"unknown speculative_config field(s): {', '.join(unknown)}; "
-                f"accepted: {', '.join(sorted(names))}"
-            )
+        value = config_dict(value, "speculative_config", {f.name for f in fields(cls)})
         if "method" not in value or "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
-        value = dict(value)
         if value.get("synthetic_acceptance_rates") is not None:
             value["synthetic_acceptance_rates"] = tuple(
                 float(r) for r in value["synthetic_acceptance_rates"]

@@ -79,6 +79,7 @@ class SharedCacheDrafter:
         ]
         self.backend = backend
         self.sampler = sampler
+        self.watermarker = None  # set by the runner when the engine watermarks
 
     def observe_hidden_states(self, states: TargetHiddenStates) -> None:
         return  # only EAGLE reads them
@@ -129,7 +130,12 @@ class DraftModelProposer(SharedCacheDrafter):
         while True:
             logits = self.model.compute_logits(hidden)
             tokens, probs, margins = choose_drafts(
-                logits, [todo[i][0] for i in active], self.probabilistic, self.sampler
+                logits,
+                [todo[i][0] for i in active],
+                self.probabilistic,
+                self.sampler,
+                [proposals[i].drafts for i in active],
+                self.watermarker,
             )
             for row, i in enumerate(active):
                 proposals[i].drafts.append(tokens[row])

@@ -131,6 +131,8 @@ class EagleProposer(SharedCacheDrafter):
                 [todo[i][0] for i in active],
                 self.probabilistic,
                 self.sampler,
+                [proposals[i].drafts for i in active],
+                self.watermarker,
             )
             for row, i in enumerate(active):
                 proposals[i].drafts.append(tokens[row])

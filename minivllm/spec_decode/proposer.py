@@ -64,10 +64,14 @@ def choose_drafts(
     states: list[CachedRequestState],
     probabilistic: bool,
     sampler: Sampler,
+    drafted: list[list[int]] | None = None,
+    watermarker=None,
 ) -> tuple[list[int], torch.Tensor | None, list[float]]:
     """Each row's draft token (rank 0's on every TP rank), the distribution
     q = softmax(logits / T) it was drawn from when drafting is probabilistic, and the
-    top-2 logit margin of each row (the acceptance estimator's feature)."""
+    top-2 logit margin of each row (the acceptance estimator's feature). With a
+    dual-key `watermarker`, probabilistic drafts are drawn by Gumbel-max with key A
+    (each row's context includes its earlier `drafted` tokens)."""
     logits = logits.float()
     top2 = logits.topk(2, dim=-1).values if logits.shape[-1] > 1 else logits.repeat(1, 2)
     margins = (top2[:, 0] - top2[:, 1]).nan_to_num(0.0).clamp(0.0, MAX_MARGIN).tolist()
@@ -81,5 +85,9 @@ def choose_drafts(
     probs = (logits / temps.unsqueeze(1)).softmax(dim=-1)
     gens = {i: s.generator for i, s in enumerate(states) if s.generator is not None}
     is_greedy = torch.tensor([p.is_greedy for p in params], device=logits.device)
-    tokens = torch.where(is_greedy, greedy, sampler.draw(probs, gens))
+    sampled = sampler.draw(probs, gens)
+    if watermarker is not None and watermarker.draft_key is not None:
+        pending = drafted if drafted is not None else [[] for _ in states]
+        sampled = watermarker.mark(probs, states, pending, sampled, watermarker.draft_key)
+    tokens = torch.where(is_greedy, greedy, sampled)
     return tp_broadcast(tokens).tolist(), probs, margins

@@ -28,6 +28,7 @@ from minivllm.spec_decode.profiling import profile_step_cost
 from minivllm.spec_decode.proposer import Proposer, TargetHiddenStates
 from minivllm.spec_decode.spec_decoder import SpecDecoder
 from minivllm.utils.memory import available_host_bytes, default_kv_cache_bytes
+from minivllm.watermark.generation import Watermarker
 from minivllm.worker.input_batch import InputBatch
 from minivllm.worker.request_state import CachedRequestState
 
@@ -83,6 +84,12 @@ class ModelRunner:
         generator.manual_seed(config.model.seed)
         self.sampler = Sampler(generator, self.kernels.op("argmax_bf16"))
         self.spec_decoder = self._build_spec_decoder()
+        wm = config.watermark_config
+        self.watermarker = Watermarker(wm, self.vocab_size, self.device) if wm else None
+        if self.watermarker is not None and self.spec_decoder is not None:
+            self.watermarker.speculative = True
+            self.spec_decoder.watermarker = self.watermarker
+            self.spec_decoder.proposer.watermarker = self.watermarker
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, self.vocab_size, self.device)
         self._log_choices(fused)
@@ -170,6 +177,8 @@ class ModelRunner:
         self.input_batch.remove(out.removed_req_ids)
         if self.spec_decoder is not None:
             self.spec_decoder.remove(out.removed_req_ids)
+        if self.watermarker is not None:
+            self.watermarker.remove(out.removed_req_ids)
         eos = self.config.model.eos_token_ids
         for data in out.new_reqs:
             state = CachedRequestState.from_new(data, eos, self.device)
@@ -236,8 +245,12 @@ class ModelRunner:
             emitted, rows = verified.emitted, verified.rows
         else:
             meta = self.input_batch.sampling_metadata(inputs.sample_req_ids)
+            if self.watermarker is not None:
+                sampled = self.watermarker.sample(self.sampler, logits, meta, states)
+            else:
+                sampled = self.sampler(logits, meta)
             # Rank 0's draw is the one every TP rank continues from (identity with one rank).
-            sampled = tp_broadcast(self.sampler(logits, meta)).tolist()
+            sampled = tp_broadcast(sampled).tolist()
             emitted, rows = [[t] for t in sampled], [[i] for i in range(len(sampled))]
         self._logprobs(states, emitted, rows, logits, output)
         for state, tokens in zip(states, emitted):

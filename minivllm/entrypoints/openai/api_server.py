@@ -28,10 +28,12 @@ from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import ServerState
 from minivllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from minivllm.entrypoints.openai.serving_watermark import OpenAIServingWatermark
 from minivllm.metrics import EngineMetrics
 
 logger = logging.getLogger("minivllm")
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
+DETECT_PATH = "/v1/watermark/detect"
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ class ServerConfig:
     shutdown_timeout: float = 10.0
     log_level: str = "info"
     access_log: bool = True
+    # refuse requests with "watermarking": false
+    watermark_enforce: bool = False
+    # leave POST /v1/watermark/detect open without the API key
+    watermark_public_detection: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -71,7 +77,8 @@ def build_app(state: ServerState, metrics: EngineMetrics, config: ServerConfig) 
     app = FastAPI(title="minivllm", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
     if config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=_OPEN_PATHS)
+        open_paths = _OPEN_PATHS | ({DETECT_PATH} if config.watermark_public_detection else set())
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
     _add_error_handlers(app)
     _add_routes(app, state, metrics)
     return app
@@ -81,6 +88,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: EngineMetrics) -> Non
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
     tokenization = OpenAIServingTokenization(state)
+    watermark = OpenAIServingWatermark(state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -119,6 +127,7 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: EngineMetrics) -> Non
     app.add_api_route("/v1/chat/completions", chat.create, methods=["POST"])
     app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
+    app.add_api_route(DETECT_PATH, watermark.detect, methods=["POST"])
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -215,6 +224,7 @@ def run_server(
         served_model_names=list(config.served_model_names),
         max_model_len=engine.config.scheduler.max_model_len,
         chat_template=config.chat_template,
+        watermark_enforce=config.watermark_enforce,
     )
     app = build_app(state, metrics, config)
     uv_config = uvicorn.Config(

@@ -60,6 +60,8 @@ class SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM v0.30: false opts this request out of the server's watermark
+    watermarking: bool | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -89,6 +91,7 @@ class SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
+            watermarking=self.watermarking,
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -161,3 +164,15 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = Field(None, max_length=1024)
     tokens: list[TokenId] = Field(..., max_length=1_000_000)
+
+
+class WatermarkDetectRequest(BaseModel):
+    """`POST /v1/watermark/detect`: a completion's `text` (tokenized without special
+    tokens) or its `token_ids`, never the prompt."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, max_length=1024)
+    text: str | None = None
+    token_ids: list[TokenId] | None = Field(None, max_length=1_000_000)
+    p_value_threshold: float = Field(0.01, gt=0.0, lt=1.0)

@@ -40,6 +40,8 @@ class ServerState:
     served_model_names: list[str]
     max_model_len: int
     chat_template: str | None = None
+    # refuse requests that opt out of the watermark (`--watermark-enforce`)
+    watermark_enforce: bool = False
     is_draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -116,13 +118,20 @@ class OpenAIServing:
             )
         return max_tokens
 
-    @staticmethod
     def sampling_params(
+        self,
         request: SamplingRequest,
         max_tokens: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        if request.watermarking is False and self.state.watermark_enforce:
+            raise APIError(
+                400,
+                "this server watermarks every output (--watermark-enforce); requests may not "
+                "opt out: remove 'watermarking': false",
+                "watermarking",
+            )
         try:
             return request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
         except (ValueError, TypeError) as exc:
