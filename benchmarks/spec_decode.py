@@ -50,9 +50,11 @@ def make_engine(model: str, spec: dict | None, prompts, output_len: int, dtype: 
     llm = LLM(
         model,
         dtype=dtype,
-        max_model_len=max(len(p) for p in prompts) + output_len + 16,
+        max_model_len=max(len(p["prompt_token_ids"]) for p in prompts) + output_len + 16,
         enable_prefix_caching=False,
         speculative_config=spec,
+        # several engines live at once: each takes a fixed budget, not a share of free RAM
+        kv_cache_memory_bytes=2 << 30,
     )
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     return llm

@@ -154,3 +154,18 @@ def test_an_unobserved_draft_cost_scales_from_the_nearest_bucket():
     assert verifier.draft_cost(8) == 0.5
     assert verifier.draft_cost(64) == pytest.approx(4.0)  # 3 buckets up: 8x
     assert verifier.draft_cost(2) == pytest.approx(0.125)
+
+
+def test_explorers_that_would_pay_for_the_whole_batch_turn_drafting_back_on():
+    """8 of 64 requests explore with cheap, mostly accepted drafts: the plan must count their
+    gain for all 64 (it once ranked by the scaled gain but judged by the unscaled one)."""
+    curve = CostCurve.from_points({1: 1.0, 64: 1.0, 128: 1.1, 256: 1.3})
+    verifier = AdaptiveVerifier(3, curve, explore_interval=10**9)
+    verifier.num_empty_plans = verifier.idle_plans  # drafting had stopped
+    verifier.draft_cost.observe(64, 0.3)
+    est = verifier.estimator
+    est.weights, est.biases = [0.0] * 3, [2.2, 1.4, 0.85]  # survival ~0.9, 0.72, 0.5
+    plan = verifier.plan([[1, 2, 3]] * 8, [[1.0] * 3] * 8, num_tokens_base=64, num_requests=64)
+    assert verifier.should_draft()
+    # this step verifies only the explorers' drafts: its own expectation is unscaled
+    assert plan.expected_tokens == pytest.approx(64 + 8 * sum(verifier.survival([1.0] * 3, 3)))

@@ -74,6 +74,11 @@ def test_the_vectorised_prf_equals_the_reference():
         for r, context in enumerate(contexts):
             for j, t in enumerate(tokens.tolist()):
                 assert u[r, j].item() == prf.reference_uniform(key, context, t)
+        for vocab in (6, 4097):  # the whole-vocabulary path, four ids per Philox call
+            full = prf.vocab_uniforms(key, torch.tensor(contexts), vocab)
+            assert torch.equal(
+                full, prf.philox_uniform(key, torch.tensor(contexts), torch.arange(vocab))
+            )
 
 
 # --- config ---
@@ -228,12 +233,12 @@ def demo_texts():
     """60 demo-base completions of 160 tokens at temperature 1 for each of: key 7 single
     key, key 7 dual key, and another key (2024)."""
     starts = [
-        "The for statement in Python",
-        "A dictionary is",
-        "To open a file for reading,",
-        "This module provides",
-        "The os module",
-        "Exceptions are",
+        "A list comprehension",
+        "The with statement",
+        "Keyword arguments",
+        "The print function",
+        "A module",
+        "The while loop",
     ]
     prompts = [
         f"{s} {word}"
@@ -403,3 +408,67 @@ def test_opt_out_greedy_rows_and_logprobs(caplog):
         )
     ]
     assert "cannot be watermarked" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "watermark,spec",
+    [
+        (
+            {"key": 21, "algorithm": "dual_key_gumbel"},
+            {
+                "method": "eagle",
+                "model": "demo-eagle",
+                "num_speculative_tokens": 3,
+                "draft_sample_method": "probabilistic",
+            },
+        ),
+        (
+            {"key": 21, "allow_target_only_watermarking": True},
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+        ),
+    ],
+    ids=["dual-key-eagle", "target-only-ngram"],
+)
+def test_speculative_watermarked_generation_is_detected(watermark, spec):
+    llm = LLM("demo-base", dtype="float32", watermark_config=watermark, speculative_config=spec)
+    prompts = [f"The for statement in Python {w}" for w in ("a", "b", "c", "d", "e", "f")]
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=1.0, max_tokens=160, ignore_eos=True), use_tqdm=False
+    )
+    stats = llm.llm_engine.stats().spec_decode
+    assert stats.num_draft_tokens > 0
+    config = WatermarkConfig.from_value(watermark)
+    results = [detect(list(o.outputs[0].token_ids), config) for o in outs]
+    assert sum(r.is_watermarked for r in results) >= 5, [r.log10_p_value for r in results]
+
+
+@pytest.mark.skipif(
+    not __import__("minivllm.kernels", fromlist=["x"]).cpu_has_avx512_bf16(),
+    reason="CPU lacks AVX512-BF16 (the kernels' build target)",
+)
+@pytest.mark.parametrize("vocab", [6, 4096, 151_937])
+def test_the_compiled_keyed_argmax_equals_the_pytorch_path(vocab):
+    """kernels/watermark.cpp against the PyTorch reference: the same token, except where two
+    candidates' scores tie to float precision (then both are within 1e-5 of each other)."""
+    from minivllm.kernels import get_cpu_kernels
+
+    op = get_cpu_kernels().watermark_argmax
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 24
+    logits = torch.randn(rows, vocab, generator=gen) * torch.linspace(0.1, 4.0, rows).unsqueeze(1)
+    probs = logits.softmax(-1)
+    probs[3, : vocab // 2] = 0.0  # masked tokens (top-k / top-p) never win
+    rng = random.Random(vocab)
+    keys = [rng.randrange(2**64) for _ in range(rows // 2)] * 2
+    contexts = [tuple(rng.randrange(-1, 50_000) for _ in range(4)) for _ in range(rows)]
+    want = keyed_choice(probs, keys, contexts, "cpu")
+    got = keyed_choice(probs, keys, contexts, "cpu", op)
+    for r in range(rows):
+        if got[r] != want[r]:
+            u = prf.philox_uniform(
+                keys[r], torch.tensor([contexts[r]]), torch.stack([got[r], want[r]])
+            )[0]
+            scores = probs[r, [got[r], want[r]]] / -torch.log(u.double())
+            assert scores[0] == pytest.approx(scores[1], rel=1e-5), r
+    assert (got == want).float().mean() > 0.9
+    assert probs[3, got[3]] > 0

@@ -47,8 +47,9 @@ class EngineArgs:
     attention_backend: str | None = None
     # vLLM's speculative_config: a dict, or its JSON text (`--speculative-config`)
     speculative_config: dict[str, Any] | str | None = None
-    # vLLM's watermark_config: a dict, or its JSON text (`--watermark-config`)
-    watermark_config: dict[str, Any] | str | None = None
+    # vLLM's watermark_config: a dict, or its JSON text (`--watermark-config`); it may hold
+    # the key, so it stays out of repr
+    watermark_config: dict[str, Any] | str | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:

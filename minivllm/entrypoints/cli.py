@@ -303,6 +303,13 @@ def add_watermark_parser(commands) -> None:
         default=0.01,
         help="p-value at or below which the text counts as watermarked (default: %(default)s)",
     )
+    detect.add_argument(
+        "--alpha",
+        type=float,
+        default=None,
+        help="dual key: the weight of key B (default: the config's alpha, generation's); "
+        "under speculative decoding the share of key-B tokens is about 1 - the acceptance rate",
+    )
     detect.add_argument("--json", action="store_true", help="print the result as JSON")
     detect.set_defaults(handler=watermark_detect_command)
 
@@ -333,7 +340,7 @@ def watermark_detect_command(args: argparse.Namespace) -> int:
 
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.tokenizer))
             ids = tokenizer(data, add_special_tokens=False).input_ids
-        result = detect(ids, config, args.threshold)
+        result = detect(ids, config, args.threshold, alpha=args.alpha)
     except (ValueError, TypeError, OSError) as exc:
         logger.error("%s", exc)
         return 2
@@ -374,6 +381,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     try:
         engine_args = engine_args_from(args)
+        if args.watermark_enforce and not args.watermark_config:
+            raise ValueError("--watermark-enforce needs --watermark-config: nothing is watermarked")
         config = ServerConfig(
             host=args.host,
             port=args.port,

@@ -40,6 +40,7 @@ def get_cpu_kernels() -> ModuleType | None:
             "fused_ops.cpp",
             "decode_layers.cpp",
             "prefill_attention.cpp",
+            "watermark.cpp",
         )
     ]
     # cpp_extension rebuilds when the sources or flags change; the header's hash, as a

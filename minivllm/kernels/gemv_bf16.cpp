@@ -144,6 +144,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "neox rotary embedding, in place", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up", nogil);
   m.def("argmax_bf16", &argmax_bf16, "row-wise argmax of bf16 logits", nogil);
+  m.def("watermark_argmax", &watermark_argmax, "keyed Gumbel-max over each row (philox4x32-10-v1)", nogil);
   m.def("gemv_bf16", &gemv_bf16, "bf16 weight-streaming GEMV (AVX512-BF16)", nogil);
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);
   m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache", nogil);

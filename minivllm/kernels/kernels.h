@@ -73,6 +73,7 @@ torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch:
 void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_bf16(torch::Tensor logits);
+torch::Tensor watermark_argmax(torch::Tensor probs, torch::Tensor states, torch::Tensor keys);
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                   std::vector<torch::Tensor> packed, int64_t max_kernel_rows,
                                   std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,

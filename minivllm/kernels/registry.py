@@ -72,6 +72,7 @@ register_family(
             "prefill_attention",
             "argmax_bf16",
             "llama_decode_layers",
+            "watermark_argmax",
         )
     },
 )

@@ -164,7 +164,7 @@ class AdaptiveVerifier:
             seconds = fixed + self.verify_cost(base + round(scale * b))
             rate = (num_reqs + scale * gained) / max(seconds, 1e-12)
             if rate > best_rate:
-                best, best_rate = (b, num_reqs + gained, seconds), rate
+                best, best_rate = (b, num_reqs + scale * gained, seconds), rate
         return best
 
     def survival(self, features: list[float], num_drafts: int) -> list[float]:

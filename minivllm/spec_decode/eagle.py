@@ -18,8 +18,15 @@ rejected position, and only features of positions <= N-2 are ever fed.
 A request whose prefix came from the prefix cache starts its head at the first
 position the target computes: the head's entries for the cached positions are the
 ones the request that computed those blocks wrote (the last entry of such a block
-was written with that request's next token). Only draft quality can suffer from
-that; verification keeps the output exact.
+was written with that request's next token), or zeros where that request stopped
+before its head caught up (a request that is not drafting catches up only once
+CATCH_UP_ROWS features wait, and one that finishes first leaves its entries
+unwritten; the head's cache is zeroed at start-up). Only draft quality can suffer
+from that; verification keeps the output exact.
+
+Memory: a request's features wait in `pending` until its prefill ends (prompt
+length x hidden size x dtype size, e.g. 256 MiB for 32k tokens at 4096 x bf16),
+outside the KV budget.
 """
 
 from __future__ import annotations

@@ -158,8 +158,8 @@ def _read_key(value: dict, key_file: str | None, key_env: str | None) -> int:
 
 
 def _parse_key(text: str, where: str) -> int:
-    try:
-        return int(text, 0)
+    try:  # decimal (leading zeros allowed), else 0x/0o/0b
+        return int(text, 10) if text.strip().isdigit() else int(text, 0)
     except ValueError:
         # never echo the text: it may be the secret with a typo
         raise ValueError(f"watermark_config: {where} does not hold an integer key") from None

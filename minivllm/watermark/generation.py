@@ -17,12 +17,19 @@ coin from the request's own generator (so `seed` makes it reproducible).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.kernels.registry import TORCH, Kernels
 from minivllm.watermark.config import WatermarkConfig
-from minivllm.watermark.prf import SENTINEL, philox_uniform
+from minivllm.watermark.prf import (
+    SENTINEL,
+    reference_context_state,
+    split_key,
+    vocab_uniforms,
+)
 
 logger = logging.getLogger("minivllm")
 
@@ -38,7 +45,9 @@ class ContextHistory:
 
 
 class Watermarker:
-    def __init__(self, config: WatermarkConfig, vocab_size: int, device: str) -> None:
+    def __init__(
+        self, config: WatermarkConfig, vocab_size: int, device: str, kernels: Kernels = TORCH
+    ) -> None:
         self.config = config
         self.h = config.context_width
         dual = config.algorithm == "dual_key_gumbel"
@@ -50,6 +59,8 @@ class Watermarker:
         self.vocab_size = vocab_size
         self.device = device
         self.histories: dict[str, ContextHistory] = {}
+        # the compiled keyed argmax (kernels/watermark.cpp) where the engine has the kernels
+        self.argmax_op = kernels.op("watermark_argmax")
         self._warned_greedy = False
         config.warn_about_weak_settings()
 
@@ -157,7 +168,7 @@ class Watermarker:
             return sampled
         keys = self.choose_keys(states, rows, fallback)
         contexts = [self.context(states[i].output_token_ids) for i in rows]
-        chosen = keyed_choice(probs[rows], keys, contexts, self.device)
+        chosen = keyed_choice(probs[rows], keys, contexts, self.device, self.argmax_op)
         sampled = sampled.clone()
         sampled[rows] = chosen
         return sampled
@@ -180,7 +191,9 @@ class Watermarker:
             return sampled
         contexts = [self.context(states[i].output_token_ids + list(pending[i])) for i in rows]
         sampled = sampled.clone()
-        sampled[rows] = keyed_choice(probs[rows], [key] * len(rows), contexts, self.device)
+        sampled[rows] = keyed_choice(
+            probs[rows], [key] * len(rows), contexts, self.device, self.argmax_op
+        )
         return sampled
 
     @property
@@ -194,13 +207,26 @@ def keyed_uniforms(
 ) -> torch.Tensor:
     """u [rows, vocab] for one key."""
     ctx = torch.tensor(contexts, dtype=torch.int64, device=device)
-    return philox_uniform(key, ctx, torch.arange(vocab_size, device=device))
+    return vocab_uniforms(key, ctx, vocab_size)
 
 
 def keyed_choice(
-    probs: torch.Tensor, keys: list[int], contexts: list[tuple[int, ...]], device
+    probs: torch.Tensor,
+    keys: list[int],
+    contexts: list[tuple[int, ...]],
+    device,
+    argmax_op: Callable | None = None,
 ) -> torch.Tensor:
-    """argmax_v p_v / -ln u_v per row, u from that row's key and context."""
+    """argmax_v p_v / -ln u_v per row, u from that row's key and context; `argmax_op`
+    (the compiled kernel) computes the same without materialising u."""
+    if argmax_op is not None and probs.device.type == "cpu":
+        # a few rows' context states: Python ints beat a dozen tiny tensor ops per round
+        states = torch.tensor(
+            [reference_context_state(k, list(c)) for k, c in zip(keys, contexts)],
+            dtype=torch.int64,
+        )
+        key_words = torch.tensor([split_key(k) for k in keys], dtype=torch.int64)
+        return argmax_op(probs.float().contiguous(), states, key_words).to(probs.device)
     out = torch.empty(len(keys), dtype=torch.long, device=probs.device)
     for key in set(keys):
         idx = [i for i, k in enumerate(keys) if k == key]

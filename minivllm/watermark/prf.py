@@ -144,3 +144,15 @@ def philox_uniform(key: int, contexts: torch.Tensor, tokens: torch.Tensor) -> to
     word = torch.where(lane == 2, outs[2], word)
     word = torch.where(lane == 3, outs[3], word)
     return (((word >> 8).to(torch.float64) + 1.0) / (2**24 + 1)).to(torch.float32)
+
+
+def vocab_uniforms(key: int, contexts: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u[r, v] for every token id v < vocab_size: `philox_uniform` over the whole
+    vocabulary, with one Philox call per four ids (their four output words) instead of four."""
+    k0, k1 = split_key(key)
+    s0, s1, s2, s3 = (w.unsqueeze(1) for w in context_states(key, contexts))
+    groups = torch.arange((vocab_size + 3) // 4, dtype=torch.int64, device=contexts.device)
+    groups = groups.unsqueeze(0).expand(s0.shape[0], -1)
+    words = philox((groups, s0.expand_as(groups), s1, s2), (k0 ^ s3, k1 ^ TOKEN_DOMAIN))
+    word = torch.stack(words, dim=2).flatten(1)[:, :vocab_size]  # id 4g + j <- word j of g
+    return (((word >> 8).to(torch.float64) + 1.0) / (2**24 + 1)).to(torch.float32)

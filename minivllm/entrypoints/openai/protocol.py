@@ -176,3 +176,5 @@ class WatermarkDetectRequest(BaseModel):
     text: str | None = None
     token_ids: list[TokenId] | None = Field(None, max_length=1_000_000)
     p_value_threshold: float = Field(0.01, gt=0.0, lt=1.0)
+    # dual key: the weight of key B (default: the server's alpha)
+    alpha: float | None = Field(None, ge=0.0, le=1.0)

@@ -41,6 +41,6 @@ class OpenAIServingWatermark(OpenAIServing):
                     400, f"token id {bad} is out of vocabulary (0..{vocab - 1})", "token_ids"
                 )
         result = await asyncio.to_thread(
-            detect, ids, config, request.p_value_threshold, True, None, MAX_SCORED_TOKENS
+            detect, ids, config, request.p_value_threshold, True, request.alpha, MAX_SCORED_TOKENS
         )
         return result.to_dict()
