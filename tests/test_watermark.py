@@ -472,3 +472,22 @@ def test_the_compiled_keyed_argmax_equals_the_pytorch_path(vocab):
             assert scores[0] == pytest.approx(scores[1], rel=1e-5), r
     assert (got == want).float().mean() > 0.9
     assert probs[3, got[3]] > 0
+
+
+def test_n_candidates_share_the_watermark_until_a_context_repeats():
+    """Documented behaviour (docs/watermarking.md): plain gumbel's n candidates start from the
+    same contexts and logits, so they agree token for token while every context is fresh;
+    dual key, whose key coin comes from the request's generator, lets them differ."""
+    prompt = ["The for statement in Python"]
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=24, ignore_eos=True, seed=9)
+    single = LLM("demo-base", dtype="float32", watermark_config={"key": 5})
+    outs = single.generate(prompt, params, use_tqdm=False)[0].outputs
+    first = [list(c.token_ids[:4]) for c in outs]  # the first h = 4 contexts hold sentinels
+    assert all(f == first[0] for f in first)
+    dual = LLM(
+        "demo-base",
+        dtype="float32",
+        watermark_config={"key": 5, "algorithm": "dual_key_gumbel", "alpha": 0.5},
+    )
+    outs = dual.generate(prompt, params, use_tqdm=False)[0].outputs
+    assert len({tuple(c.token_ids) for c in outs}) > 1
