@@ -13,6 +13,7 @@ tokens after a verification), then drafts k tokens one at a time:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,9 +85,45 @@ class SharedCacheDrafter:
     def observe_hidden_states(self, states: TargetHiddenStates) -> None:
         return  # only EAGLE reads them
 
+    def kv_cache_allocated(self) -> None:
+        return  # a draft model's entries are written before they are read
+
     def _slot(self, state: CachedRequestState, position: int) -> int:
         block = state.block_ids[position // self.block_size]
         return block * self.block_size + position % self.block_size
+
+    def _draft_loop(
+        self,
+        todo: list[tuple[CachedRequestState, int]],
+        hidden: torch.Tensor,
+        logits_of: Callable[[torch.Tensor], torch.Tensor],
+        step: Callable[[list[tuple[CachedRequestState, list[int]]], torch.Tensor], torch.Tensor],
+    ) -> list[Proposal]:
+        """Draft one token per active request at a time until each has its limit:
+        `hidden` holds one row per request of `todo`, `logits_of` turns rows into draft
+        logits, `step(feed, rows)` feeds each still-active request's newest draft (with its
+        previous row) and returns the next rows."""
+        proposals = [Proposal([], [], []) for _ in todo]
+        active = list(range(len(todo)))
+        while True:
+            tokens, probs, margins = choose_drafts(
+                logits_of(hidden),
+                [todo[i][0] for i in active],
+                self.probabilistic,
+                self.sampler,
+                [proposals[i].drafts for i in active],
+                self.watermarker,
+            )
+            for row, i in enumerate(active):
+                proposals[i].drafts.append(tokens[row])
+                proposals[i].margins.append(margins[row])
+                if probs is not None:
+                    proposals[i].prob_rows.append(probs[row])
+            keep = [row for row, i in enumerate(active) if len(proposals[i].drafts) < todo[i][1]]
+            if not keep:
+                return proposals
+            active = [active[row] for row in keep]
+            hidden = step([(todo[i][0], proposals[i].drafts) for i in active], hidden[keep])
 
     def _newest_draft_inputs(
         self, feed: list[tuple[CachedRequestState, list[int]]], lag: int
@@ -124,28 +161,10 @@ class DraftModelProposer(SharedCacheDrafter):
         todo = [(s, n) for s, n in zip(states, limits) if n > 0]
         if not todo:
             return {}
-        proposals = [Proposal([], [], []) for _ in todo]
         hidden = self._catch_up([s for s, _ in todo])
-        active = list(range(len(todo)))
-        while True:
-            logits = self.model.compute_logits(hidden)
-            tokens, probs, margins = choose_drafts(
-                logits,
-                [todo[i][0] for i in active],
-                self.probabilistic,
-                self.sampler,
-                [proposals[i].drafts for i in active],
-                self.watermarker,
-            )
-            for row, i in enumerate(active):
-                proposals[i].drafts.append(tokens[row])
-                proposals[i].margins.append(margins[row])
-                if probs is not None:
-                    proposals[i].prob_rows.append(probs[row])
-            active = [i for i in active if len(proposals[i].drafts) < todo[i][1]]
-            if not active:
-                break
-            hidden = self._step([(todo[i][0], proposals[i].drafts) for i in active])
+        proposals = self._draft_loop(
+            todo, hidden, self.model.compute_logits, lambda feed, _rows: self._step(feed)
+        )
         for (state, _), proposal in zip(todo, proposals):
             self.states[state.req_id] = DraftState(len(state.token_ids), proposal.drafts[:-1])
         return {state.req_id: p for (state, _), p in zip(todo, proposals)}

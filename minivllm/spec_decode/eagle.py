@@ -38,7 +38,7 @@ import torch
 from minivllm.layers.forward_context import forward_context
 from minivllm.models.eagle import EagleForCausalLM
 from minivllm.spec_decode.draft_model import SharedCacheDrafter
-from minivllm.spec_decode.proposer import Proposal, TargetHiddenStates, choose_drafts
+from minivllm.spec_decode.proposer import Proposal, TargetHiddenStates
 from minivllm.worker.request_state import CachedRequestState
 
 # a request not drafting (adaptive verification said no) still feeds its head once
@@ -80,6 +80,13 @@ class EagleProposer(SharedCacheDrafter):
     def remove(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self.heads.pop(req_id, None)
+
+    def kv_cache_allocated(self) -> None:
+        """The head may read entries no request wrote (a prefix-cache hit on blocks whose
+        owner stopped before its head caught up): zeros, never garbage or NaN. Its one
+        layer is a small share of the pool."""
+        for layer in self.attention_layers:
+            layer.kv_cache.zero_()
 
     def observe_hidden_states(self, states: TargetHiddenStates) -> None:
         for req_id, start, first_row, num in states.spans:
@@ -129,30 +136,10 @@ class EagleProposer(SharedCacheDrafter):
     def _draft(self, todo: list[tuple[CachedRequestState, int, torch.Tensor]]) -> dict:
         if not todo:
             return {}
-        proposals = [Proposal([], [], []) for _ in todo]
-        active = list(range(len(todo)))
         predicted = torch.stack([row for _, _, row in todo])
-        while True:
-            tokens, probs, margins = choose_drafts(
-                self.target.compute_logits(predicted),
-                [todo[i][0] for i in active],
-                self.probabilistic,
-                self.sampler,
-                [proposals[i].drafts for i in active],
-                self.watermarker,
-            )
-            for row, i in enumerate(active):
-                proposals[i].drafts.append(tokens[row])
-                proposals[i].margins.append(margins[row])
-                if probs is not None:
-                    proposals[i].prob_rows.append(probs[row])
-            keep = [row for row, i in enumerate(active) if len(proposals[i].drafts) < todo[i][1]]
-            if not keep:
-                break
-            active = [active[row] for row in keep]
-            predicted = self._step(
-                [(todo[i][0], proposals[i].drafts) for i in active], predicted[keep]
-            )
+        proposals = self._draft_loop(
+            [(state, n) for state, n, _ in todo], predicted, self.target.compute_logits, self._step
+        )
         return {state.req_id: p for (state, _, _), p in zip(todo, proposals)}
 
     def _step(

@@ -36,6 +36,9 @@ class NgramProposer:
     def observe_hidden_states(self, states: TargetHiddenStates) -> None:
         return  # reads only the tokens
 
+    def kv_cache_allocated(self) -> None:
+        return  # has no cache
+
     def propose_one(self, token_ids: list[int], max_drafts: int) -> list[int]:
         """Drafts for one sequence, at most `min(k, max_drafts)` of them."""
         limit = min(self.k, max_drafts)

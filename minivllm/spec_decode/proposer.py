@@ -58,6 +58,10 @@ class Proposer(Protocol):
         """Forget requests the runner dropped."""
         ...
 
+    def kv_cache_allocated(self) -> None:
+        """Called once the runner has allocated every layer's KV cache."""
+        ...
+
 
 def choose_drafts(
     logits: torch.Tensor,

@@ -147,12 +147,8 @@ class ModelRunner:
         """One tensor per layer, allocated once, in the layout the attention backend chose."""
         for layer, spec in zip(self.attention_layers, self.kv_cache_specs):
             layer.kv_cache = self.attn_backend.allocate_kv_cache(spec, num_blocks, self.device)
-        if isinstance(getattr(self.spec_decoder, "proposer", None), EagleProposer):
-            # an EAGLE head may read entries no request wrote (a prefix-cache hit on blocks
-            # whose owner stopped before its head caught up): zeros, never garbage or NaN;
-            # its one layer is a small share of the pool
-            for layer in self.spec_decoder.proposer.attention_layers:
-                layer.kv_cache.zero_()
+        if self.spec_decoder is not None:
+            self.spec_decoder.proposer.kv_cache_allocated()
         spec = self.config.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
             self.spec_decoder.enable_adaptive(profile_step_cost(self))
