@@ -102,7 +102,12 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--verbose", action="store_true", help="the engines' INFO log to stderr")
     args = parser.parse_args()
+    if args.verbose:
+        from minivllm.entrypoints.log import setup_logging
+
+        setup_logging()
 
     import torch
     from transformers import AutoTokenizer

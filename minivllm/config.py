@@ -6,18 +6,20 @@ import logging
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
+# torch is imported where it is used, so that `minivllm --help` starts without it
 logger = logging.getLogger("minivllm")
 
 _DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
+    "float32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
 }
 # Keys HF configs use for the trained context length, in the order transformers reads them.
 _MAX_LEN_KEYS = (
@@ -181,6 +183,8 @@ def _divisors(n: int) -> list[int]:
 def _host_limit(device: str) -> tuple[int, str]:
     """How many TP ranks one host can give a device of their own: GPUs, or CPU cores."""
     if device == "cuda":
+        import torch
+
         return torch.cuda.device_count(), "CUDA devices"
     try:
         return len(os.sched_getaffinity(0)), "CPU cores available to this process"
@@ -189,6 +193,8 @@ def _host_limit(device: str) -> tuple[int, str]:
 
 
 def resolve_device(device: str) -> str:
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
@@ -199,12 +205,14 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     elif dtype == "auto":
         resolved = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
         if isinstance(resolved, str):
-            resolved = _DTYPES.get(resolved, torch.float32)
+            resolved = getattr(torch, _DTYPES.get(resolved, "float32"))
         resolved = resolved or torch.float32
         if resolved == torch.float16 and device == "cpu":
             logger.warning(
@@ -212,7 +220,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torc
             )
             resolved = torch.bfloat16
     elif dtype in _DTYPES:
-        resolved = _DTYPES[dtype]
+        resolved = getattr(torch, _DTYPES[dtype])
     else:
         raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):

@@ -172,6 +172,15 @@ class EngineMetrics:
         timing.last_token_time[index] = now
         self.generation_tokens.inc(num_new)
 
-    def render(self) -> bytes:
-        """The registry in Prometheus' text exposition format."""
-        return generate_latest(self.registry)
+    def render(self, vllm_alias: bool = False) -> bytes:
+        """The registry in Prometheus' text exposition format; with `vllm_alias`, every
+        `minivllm:` series a second time under vLLM's `vllm:` name, for existing dashboards."""
+        text = generate_latest(self.registry)
+        if not vllm_alias:
+            return text
+        alias = [
+            line.replace(b"minivllm:", b"vllm:", 1)
+            for line in text.splitlines(keepends=True)
+            if b"minivllm:" in line
+        ]
+        return text + b"".join(alias)

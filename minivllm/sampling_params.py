@@ -2,10 +2,75 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+MAX_GRAMMAR_CHARS = 64 * 1024  # a schema, regex or grammar larger than this is refused
+MAX_CHOICES = 1024
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What a constrained request must produce (vLLM's `StructuredOutputsParams`); set
+    exactly one of: `json` (a JSON schema, as a dict or its text), `json_object` (any
+    JSON object), `regex`, `choice` (one of these strings), `grammar` (EBNF, as
+    xgrammar reads it)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "json_object")
+            if getattr(self, name) not in (None, False)
+        ]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        if isinstance(self.json, str):
+            try:
+                self.json = json.loads(self.json)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if self.json is not None and not isinstance(self.json, dict):
+            raise TypeError("structured_outputs.json must be a JSON schema (an object)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise TypeError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None:
+            if (
+                not isinstance(self.choice, list)
+                or not 0 < len(self.choice) <= MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in self.choice)
+            ):
+                raise ValueError(
+                    f"structured_outputs.choice must be a list of 1..{MAX_CHOICES} non-empty strings"
+                )
+        if self.json_object not in (None, True, False):
+            raise TypeError("structured_outputs.json_object must be a bool")
+        if len(self.key()[1]) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"structured_outputs is longer than {MAX_GRAMMAR_CHARS} characters")
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the grammar backend compiles and caches by."""
+        if self.json is not None:
+            return "json", json.dumps(self.json, sort_keys=True)
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return "grammar", self.grammar
 
 
 @dataclass
@@ -17,7 +82,8 @@ class SamplingParams:
     `prompt_logprobs=k` does the same for every prompt position after the first.
     `watermarking=False` opts this request out of the engine's watermark (None or True:
     watermarked when the engine has a `watermark_config`; a server started with
-    `--watermark-enforce` refuses the opt-out).
+    `--watermark-enforce` refuses the opt-out). `structured_outputs` constrains the
+    output to a JSON schema, regex, choice or grammar (`StructuredOutputsParams`).
     """
 
     n: int = 1
@@ -42,6 +108,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     watermarking: bool | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Resolved by the engine: EOS ids from the model's generation config.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -92,6 +159,10 @@ class SamplingParams:
             raise TypeError(f"watermarking must be a bool or None, got {self.watermarking!r}")
         for token_id, bias in (self.logit_bias or {}).items():
             _check_range(f"logit_bias[{token_id}]", bias, -100.0, 100.0)
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            raise TypeError("structured_outputs must be a StructuredOutputsParams")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
 

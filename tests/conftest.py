@@ -134,7 +134,16 @@ def servers(
     template.write_text(OTHER_TEMPLATE)
     main = RemoteServer(
         qwen3_dir,
-        [*common, "--kv-cache-memory-bytes", "4MiB", "--max-request-body-bytes", str(BODY_LIMIT)],
+        [
+            *common,
+            "--kv-cache-memory-bytes",
+            "4MiB",
+            "--max-request-body-bytes",
+            str(BODY_LIMIT),
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ],
         logs / "main.log",
     )
     keyed = RemoteServer(

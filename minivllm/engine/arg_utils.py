@@ -19,6 +19,7 @@ from minivllm.config import (
     resolve_device,
     resolve_dtype,
 )
+from minivllm.loader.hub import resolve_model_path
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.watermark.config import WatermarkConfig
 
@@ -29,6 +30,9 @@ logger = logging.getLogger("minivllm")
 class EngineArgs:
     model: str
     tokenizer: str | None = None
+    # a Hub id's branch, tag or commit, and where its files are cached (default: HF_HOME)
+    revision: str | None = None
+    download_dir: str | None = None
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -65,9 +69,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         from transformers import AutoConfig
 
-        model_dir = resolve_model_path(self.model)
-        if not os.path.isdir(model_dir):
-            raise ValueError(f"model {self.model!r} is not a directory with a HF checkpoint")
+        model_dir = resolve_model_path(self.model, self.revision, self.download_dir)
         hf_config = AutoConfig.from_pretrained(model_dir, trust_remote_code=self.trust_remote_code)
         from minivllm.models.registry import resolve_model_class
 
@@ -76,7 +78,9 @@ class EngineArgs:
         max_model_len = derive_max_model_len(hf_config, self.max_model_len)
         model = ModelConfig(
             model=model_dir,
-            tokenizer=resolve_model_path(self.tokenizer) if self.tokenizer else model_dir,
+            tokenizer=resolve_model_path(self.tokenizer, None, self.download_dir, need_config=False)
+            if self.tokenizer
+            else model_dir,
             hf_config=hf_config,
             dtype=resolve_dtype(self.dtype, hf_config, device),
             max_model_len=max_model_len,
@@ -111,14 +115,6 @@ class EngineArgs:
         )
 
 
-def resolve_model_path(name: str) -> str:
-    """A directory, or the name of a bundled demo model (`demo-base`, ...)."""
-    if os.path.isdir(name):
-        return name
-    bundled = os.path.join(os.path.dirname(os.path.dirname(__file__)), "demo_models", name)
-    return bundled if os.path.isdir(bundled) else name
-
-
 def resolve_draft_model(
     config: SpeculativeConfig, target_hf_config: Any, trust_remote_code: bool
 ) -> SpeculativeConfig:
@@ -128,7 +124,10 @@ def resolve_draft_model(
         return config
     from transformers import AutoConfig
 
-    path = resolve_model_path(config.model)
+    try:
+        path = resolve_model_path(config.model)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: {e}") from None
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(
             f"speculative_config.model {config.model!r} is not a checkpoint directory "

@@ -21,6 +21,7 @@ class InputProcessor:
     def __init__(self, config: ModelConfig) -> None:
         self.config = config
         self.tokenizer = load_tokenizer(config.tokenizer, config.trust_remote_code)
+        self._grammars = None  # a GrammarBackend, built on the first constrained request
 
     def process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
         text, token_ids = self._tokenize(prompt)
@@ -60,8 +61,21 @@ class InputProcessor:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens, longer than the maximum model length {max_len}"
             )
+        if params.structured_outputs is not None:
+            self._check_grammar(params)
         for token_id in list(params.stop_token_ids or []) + list((params.logit_bias or {}).keys()):
             if not 0 <= token_id < vocab:
                 raise ValueError(
                     f"token id {token_id} in sampling params is out of vocabulary (0..{vocab - 1})"
                 )
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar here, so a bad schema is the caller's ValueError
+        (HTTP 400) rather than a failure inside the engine's step."""
+        from minivllm.structured_output.backend import GrammarBackend
+
+        if self._grammars is None:
+            self._grammars = GrammarBackend(
+                self.tokenizer, self.config.vocab_size, list(self.config.eos_token_ids)
+            )
+        self._grammars.compiled(params.structured_outputs)

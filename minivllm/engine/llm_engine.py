@@ -98,6 +98,12 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if self.output_processor.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if params.structured_outputs is not None and self.config.speculative_config is not None:
+            # the verifier would need each draft position's grammar state; not built yet
+            raise ValueError(
+                "structured outputs are not supported with speculative decoding yet; "
+                "start the engine without speculative_config for constrained requests"
+            )
         text, token_ids = self.input_processor.process(prompt, params)
         arrival = time.time() if arrival_time is None else arrival_time
         parent = ParentRequest(

@@ -47,7 +47,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = _ENGINE_DEFAULTS
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--tokenizer", default=d["tokenizer"], help="tokenizer directory (default: the model's)"
+        "--tokenizer",
+        default=d["tokenizer"],
+        help="tokenizer directory or Hub id (default: the model's)",
+    )
+    model.add_argument(
+        "--revision",
+        default=d["revision"],
+        help="for a Hub id: the branch, tag or commit to load (default: main)",
+    )
+    model.add_argument(
+        "--download-dir",
+        default=d["download_dir"],
+        help="for a Hub id: where to cache its files (default: huggingface_hub's cache, "
+        "under HF_HOME); HF_HUB_OFFLINE=1 uses only what is cached",
     )
     model.add_argument(
         "--dtype",
@@ -194,6 +207,24 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="a Jinja chat template file (or the template itself) instead of the tokenizer's",
     )
     server.add_argument(
+        "--metrics-vllm-alias",
+        action="store_true",
+        help="/metrics also reports every minivllm: series under vLLM's vllm: name "
+        "(for dashboards built on vLLM)",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        choices=["hermes"],
+        default=None,
+        help="how tool calls are read from the model's text: hermes (<tool_call>{...}</tool_call>, "
+        "Hermes and Qwen chat templates)",
+    )
+    server.add_argument(
         "--max-request-body-bytes",
         metavar="BYTES",
         type=byte_size,
@@ -251,16 +282,31 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=DEFAULT_MODEL,
-        help="a HF checkpoint directory, or a bundled demo model name "
-        f"(demo-base, demo-draft, demo-sparse); default: {DEFAULT_MODEL}",
+        help="a HF checkpoint directory, a Hugging Face Hub id (org/name), or a bundled demo "
+        f"model name (`minivllm models` lists them); default: {DEFAULT_MODEL}",
     )
     add_server_args(serve)
     add_engine_args(serve)
     worker_cli.add_multinode_args(serve)
-    serve.set_defaults(handler=serve_command)
+    serve.set_defaults(handler=serve_command, parser=serve)
     worker_cli.add_parser(commands)
     add_watermark_parser(commands)
+    models = commands.add_parser(
+        "models",
+        help="list the bundled demo models and their directories",
+        description="The bundled demo models, one per line: name, then directory (tools "
+        "such as lm-eval take the directory as a tokenizer path).",
+    )
+    models.set_defaults(handler=models_command, parser=models)
     return parser
+
+
+def models_command(args: argparse.Namespace) -> int:
+    from minivllm.loader.hub import bundled_models
+
+    for name, path in bundled_models().items():
+        print(f"{name}\t{path}")
+    return 0
 
 
 def add_watermark_parser(commands) -> None:
@@ -311,7 +357,7 @@ def add_watermark_parser(commands) -> None:
         "under speculative decoding the share of key-B tokens is about 1 - the acceptance rate",
     )
     detect.add_argument("--json", action="store_true", help="print the result as JSON")
-    detect.set_defaults(handler=watermark_detect_command)
+    detect.set_defaults(handler=watermark_detect_command, parser=detect)
 
 
 def watermark_detect_command(args: argparse.Namespace) -> int:
@@ -381,6 +427,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     try:
         engine_args = engine_args_from(args)
+        if args.enable_auto_tool_choice and not args.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
         if args.watermark_enforce and not args.watermark_config:
             raise ValueError("--watermark-enforce needs --watermark-config: nothing is watermarked")
         config = ServerConfig(
@@ -389,6 +437,8 @@ def serve_command(args: argparse.Namespace) -> int:
             api_key=args.api_key or os.environ.get(_API_KEY_ENV) or None,
             served_model_names=tuple(args.served_model_name or (args.model,)),
             chat_template=read_chat_template(args.chat_template),
+            tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+            metrics_vllm_alias=args.metrics_vllm_alias,
             max_request_body_bytes=args.max_request_body_bytes,
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.uvicorn_log_level,
@@ -445,7 +495,10 @@ def _log_engine(async_llm: AsyncLLM) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the command's own usage, not the top-level one
+        getattr(args, "parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     setup_logging()
     try:
         return args.handler(args)

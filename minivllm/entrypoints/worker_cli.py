@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_worker_args(parser)
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, parser=parser)
     return parser
 
 

@@ -37,6 +37,8 @@ class SamplingMetadata:
     logit_bias: torch.Tensor | None = None  # [B, V]
     # rows still under min_tokens -> token ids they may not produce yet
     banned_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # [B, ceil(V / 32)] int32: bit t of row b set where a grammar lets row b produce t
+    token_bitmask: torch.Tensor | None = None
 
 
 class Sampler:
@@ -88,6 +90,9 @@ class Sampler:
             logits = logits + meta.logit_bias
         for row, token_ids in meta.banned_token_ids.items():
             logits[row, token_ids] = float("-inf")
+        if meta.token_bitmask is not None:
+            allowed = unpack_bitmask(meta.token_bitmask, logits.shape[-1])
+            logits = logits.masked_fill_(~allowed, float("-inf"))
         return logits
 
     def draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -105,10 +110,18 @@ def changes_logits(meta: SamplingMetadata) -> bool:
     """Whether biases, bans or penalties apply before the argmax."""
     return (
         meta.logit_bias is not None
+        or meta.token_bitmask is not None
         or bool(meta.banned_token_ids)
         or meta.repetition_penalty is not None
         or meta.frequency_penalty is not None
     )
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, W] int32 words, token t at bit t % 32 of word t // 32 -> [B, vocab_size] bool."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    words = bitmask.to(device=bits.device, dtype=torch.int32).unsqueeze(-1)
+    return ((words >> bits) & 1).bool().flatten(1)[:, :vocab_size]
 
 
 def apply_penalties(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -11,8 +11,10 @@ per position, H = sum c(1-c) [x, 1][x, 1]^T and g = sum (y - c) [x, 1] at the
 predictions made when the drafts were scored (at least MIN_OBSERVATIONS of them
 per position and window, so batch 1 refits after a few dozen steps). Every
 `refit_interval` steps, or
-sooner once the first position has `refit_observations` new observations (large
-batches gather them in a few steps), each position with enough observations
+sooner once the first position has `refit_observations` new observations (a batch
+of 64 gathers them in one step: with 200, a batch-64 run whose drafts were rarely
+accepted stopped drafting before its first refit and kept the optimistic prior, so
+whether drafting restarted hung on the measured draft cost alone), each position with enough observations
 takes one step theta += (H + ridge I)^-1 g and its statistics restart (so the fit
 follows drift). Labels are censoring-aware:
 with m drafts verified and a accepted, position k is observed iff k <= a and
@@ -60,7 +62,7 @@ class PositionStats:
 class AcceptanceEstimator:
     num_positions: int
     refit_interval: int = 32
-    refit_observations: int = 200
+    refit_observations: int = 64
     weights: list[float] = field(default_factory=list)
     biases: list[float] = field(default_factory=list)
     num_refits: int = 0

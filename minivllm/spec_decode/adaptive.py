@@ -40,21 +40,29 @@ CLEAR_LOSS = 0.8
 
 @dataclass
 class CostCurve:
-    """Monotone piecewise-linear seconds against size, from measured points."""
+    """Seconds per step against its number of tokens: monotone piecewise-linear through
+    points measured with one token of context per row, plus `attention_seconds` per
+    (token, context token) pair beyond the first (a verification at 200 tokens of context
+    attends 200 times as much as the profile's rows did)."""
 
     sizes: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
+    attention_seconds: float = 0.0
 
     @classmethod
-    def from_points(cls, points: dict[int, float]) -> CostCurve:
+    def from_points(cls, points: dict[int, float], attention_seconds: float = 0.0) -> CostCurve:
         sizes = sorted(points)
         seconds, running = [], 0.0
         for size in sizes:  # a larger step never costs less (running max)
             running = max(running, points[size])
             seconds.append(running)
-        return cls(sizes, seconds)
+        return cls(sizes, seconds, attention_seconds)
 
-    def __call__(self, size: int) -> float:
+    def __call__(self, size: int, context: float = 1.0) -> float:
+        """A step of `size` tokens whose rows see `context` tokens on average."""
+        return self._curve(size) + self.attention_seconds * size * max(context - 1.0, 0.0)
+
+    def _curve(self, size: int) -> float:
         if not self.sizes:
             return 0.0
         i = bisect.bisect_left(self.sizes, size)
@@ -153,15 +161,16 @@ class AdaptiveVerifier:
         base: int,
         fixed: float,
         scale: float = 1.0,
+        context: float = 1.0,
     ) -> tuple[int, float, float]:
         """(B, expected tokens, seconds) maximising tokens per second when the B best slots
         are verified and `fixed` seconds are spent besides the verification; `scale`
         extrapolates the slots of the drafting requests to `scale` times as many."""
-        best = (0, float(num_reqs), fixed + self.verify_cost(base))
+        best = (0, float(num_reqs), fixed + self.verify_cost(base, context))
         best_rate, gained = best[1] / max(best[2], 1e-12), 0.0
         for b in range(1, len(slots) + 1):
             gained += slots[b - 1][0]
-            seconds = fixed + self.verify_cost(base + round(scale * b))
+            seconds = fixed + self.verify_cost(base + round(scale * b), context)
             rate = (num_reqs + scale * gained) / max(seconds, 1e-12)
             if rate > best_rate:
                 best, best_rate = (b, num_reqs + scale * gained, seconds), rate
@@ -180,11 +189,12 @@ class AdaptiveVerifier:
         features: list[list[float]],
         num_tokens_base: int,
         num_requests: int | None = None,
+        context: float = 1.0,
     ) -> Plan:
         """How many drafts of each request to verify next step. `num_tokens_base`: the
         step's tokens without drafts (one per decode, plus any prefill); `num_requests`:
         the requests that gain a token next step, drafting or not (default: those with
-        drafts)."""
+        drafts); `context`: the tokens each verified row attends to, on average."""
         num_reqs = len(drafts)
         total = max(num_requests if num_requests is not None else num_reqs, num_reqs)
         exploring = self.exploring
@@ -198,14 +208,16 @@ class AdaptiveVerifier:
         ]
         slots.sort(key=lambda slot: -slot[0])
         # this step's drafts are paid for: verify the slots that raise tokens per second
-        best_b, best_tokens, best_seconds = self._best(slots, total, num_tokens_base, 0.0)
+        best_b, best_tokens, best_seconds = self._best(
+            slots, total, num_tokens_base, 0.0, context=context
+        )
         # drafting again pays only if a whole speculative step, with every request
         # drafting, beats a plain one; when only some drafted (explorers, n-gram misses)
         # their slots stand in for everyone's, and the draft cost is the whole batch's
         draft_seconds = self.draft_cost(total)
         scale = total / max(num_reqs, 1)
-        spec = self._best(slots, total, num_tokens_base, draft_seconds, scale)
-        plain_rate = total / max(self.verify_cost(num_tokens_base), 1e-12)
+        spec = self._best(slots, total, num_tokens_base, draft_seconds, scale, context)
+        plain_rate = total / max(self.verify_cost(num_tokens_base, context), 1e-12)
         spec_rate = spec[1] / max(spec[2], 1e-12)
         pays = spec[0] > 0 and spec_rate > plain_rate
         if pays:

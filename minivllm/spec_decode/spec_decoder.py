@@ -118,8 +118,13 @@ class SpecDecoder:
             self.adaptive.skip()
             return
         proposals = [self.proposals[r] for r in ids]
+        context = sum(len(s.token_ids) for s in states) / len(states)
         plan = self.adaptive.plan(
-            [p.drafts for p in proposals], [p.margins for p in proposals], len(states), len(states)
+            [p.drafts for p in proposals],
+            [p.margins for p in proposals],
+            len(states),
+            len(states),
+            context,
         )
         for req_id, proposal, keep in zip(ids, proposals, plan.admitted):
             proposal.drafts = proposal.drafts[:keep]

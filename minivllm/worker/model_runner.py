@@ -27,6 +27,7 @@ from minivllm.spec_decode.ngram import NgramProposer
 from minivllm.spec_decode.profiling import profile_step_cost
 from minivllm.spec_decode.proposer import Proposer, TargetHiddenStates
 from minivllm.spec_decode.spec_decoder import SpecDecoder
+from minivllm.structured_output.manager import StructuredOutputManager
 from minivllm.utils.memory import available_host_bytes, default_kv_cache_bytes
 from minivllm.watermark.generation import Watermarker
 from minivllm.worker.input_batch import InputBatch
@@ -92,6 +93,12 @@ class ModelRunner:
             self.watermarker.speculative = True
             self.spec_decoder.watermarker = self.watermarker
             self.spec_decoder.proposer.watermarker = self.watermarker
+        self.structured = StructuredOutputManager(
+            config.model.tokenizer,
+            self.vocab_size,
+            config.model.trust_remote_code,
+            config.model.eos_token_ids,
+        )
         self.requests: dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, self.vocab_size, self.device)
         self._log_choices(fused)
@@ -151,7 +158,7 @@ class ModelRunner:
             self.spec_decoder.proposer.kv_cache_allocated()
         spec = self.config.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
-            self.spec_decoder.enable_adaptive(profile_step_cost(self))
+            self.spec_decoder.enable_adaptive(profile_step_cost(self, num_blocks))
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -159,11 +166,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
-        if self.fused_decode is not None and not inputs.attn.prefill_req_indices:
-            hidden = self.fused_decode(inputs.input_ids, inputs.positions, inputs.attn)
-        else:
-            with forward_context(ForwardContext((self.attn_backend, inputs.attn))):
-                hidden = self.model(inputs.input_ids, inputs.positions)
+        hidden = self.forward(inputs.input_ids, inputs.positions, inputs.attn)
         if self.spec_decoder is not None and self.spec_decoder.proposer.uses_hidden_states:
             self.spec_decoder.proposer.observe_hidden_states(
                 TargetHiddenStates(hidden, inputs.spans)
@@ -175,6 +178,14 @@ class ModelRunner:
         self._prompt_logprobs(inputs, logits, output)
         return output
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """The decoder's hidden states: in one C++ call when every request decodes and the
+        model is on the fused path, else layer by layer."""
+        if self.fused_decode is not None and not attn.prefill_req_indices:
+            return self.fused_decode(input_ids, positions, attn)
+        with forward_context(ForwardContext((self.attn_backend, attn))):
+            return self.model(input_ids, positions)
+
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.removed_req_ids:
             self.requests.pop(req_id, None)
@@ -183,11 +194,13 @@ class ModelRunner:
             self.spec_decoder.remove(out.removed_req_ids)
         if self.watermarker is not None:
             self.watermarker.remove(out.removed_req_ids)
+        self.structured.remove(out.removed_req_ids)
         eos = self.config.model.eos_token_ids
         for data in out.new_reqs:
             state = CachedRequestState.from_new(data, eos, self.device)
             self.requests[data.req_id] = state
             self.input_batch.add(state)
+            self.structured.add(state)
         for data in out.cached_reqs:
             state = self.requests[data.req_id]
             state.block_ids.extend(data.new_block_ids)
@@ -249,6 +262,7 @@ class ModelRunner:
             emitted, rows = verified.emitted, verified.rows
         else:
             meta = self.input_batch.sampling_metadata(inputs.sample_req_ids)
+            meta.token_bitmask = self.structured.bitmask(states)
             if self.watermarker is not None:
                 sampled = self.watermarker.sample(self.sampler, logits, meta, states)
             else:
@@ -257,6 +271,7 @@ class ModelRunner:
             sampled = tp_broadcast(sampled).tolist()
             emitted, rows = [[t] for t in sampled], [[i] for i in range(len(sampled))]
         self._logprobs(states, emitted, rows, logits, output)
+        self.structured.accept(states, emitted)
         for state, tokens in zip(states, emitted):
             state.token_ids.extend(tokens)
             output.sampled_token_ids[state.req_id] = tokens

@@ -45,6 +45,10 @@ class ServerConfig:
     api_key: str | None = None
     served_model_names: tuple[str, ...] = ("model",)
     chat_template: str | None = None
+    # reads tool calls from free text (tool_choice "auto"); None: "auto" is refused
+    tool_call_parser: str | None = None
+    # /metrics repeats each minivllm: series under vLLM's vllm: name
+    metrics_vllm_alias: bool = False
     max_request_body_bytes: int = 16 << 20
     shutdown_timeout: float = 10.0
     log_level: str = "info"
@@ -80,11 +84,13 @@ def build_app(state: ServerState, metrics: EngineMetrics, config: ServerConfig) 
         open_paths = _OPEN_PATHS | ({DETECT_PATH} if config.watermark_public_detection else set())
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
     _add_error_handlers(app)
-    _add_routes(app, state, metrics)
+    _add_routes(app, state, metrics, config.metrics_vllm_alias)
     return app
 
 
-def _add_routes(app: FastAPI, state: ServerState, metrics: EngineMetrics) -> None:
+def _add_routes(
+    app: FastAPI, state: ServerState, metrics: EngineMetrics, vllm_alias: bool = False
+) -> None:
     completions = OpenAIServingCompletion(state)
     chat = OpenAIServingChat(state)
     tokenization = OpenAIServingTokenization(state)
@@ -104,7 +110,8 @@ def _add_routes(app: FastAPI, state: ServerState, metrics: EngineMetrics) -> Non
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        body = metrics.render(vllm_alias=vllm_alias)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -224,6 +231,7 @@ def run_server(
         served_model_names=list(config.served_model_names),
         max_model_len=engine.config.scheduler.max_model_len,
         chat_template=config.chat_template,
+        tool_call_parser=config.tool_call_parser,
         watermark_enforce=config.watermark_enforce,
     )
     app = build_app(state, metrics, config)

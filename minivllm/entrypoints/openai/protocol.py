@@ -6,16 +6,18 @@ Unknown fields are ignored, as OpenAI and vLLM do.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from minivllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from minivllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
 MAX_PROMPTS = 256
 MAX_STOP = 64
+MAX_TOOLS = 128
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
 TokenId = Annotated[int, Field(ge=0)]
 Prompt = (
@@ -29,6 +31,24 @@ StopStrings = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str = Field("response", max_length=256)
+    description: str | None = Field(None, max_length=4096)
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# vLLM's guided_decoding_backend values this server answers to (it has xgrammar only)
+GRAMMAR_BACKENDS = ("xgrammar", "auto")
 
 
 class SamplingRequest(BaseModel):
@@ -62,6 +82,54 @@ class SamplingRequest(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # vLLM v0.30: false opts this request out of the server's watermark
     watermarking: bool | None = None
+    # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = Field(None, max_length=64)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint this request names (ValueError naming the fields when it
+        names several, or a schema-less json_schema)."""
+        named = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            if self.response_format.type == "json_object":
+                named["response_format"] = {"json_object": True}
+            else:
+                fmt = self.response_format.json_schema
+                if fmt is None or fmt.json_schema is None:
+                    raise ValueError("response_format json_schema needs json_schema.schema")
+                named["response_format"] = {"json": fmt.json_schema}
+        if self.structured_outputs is not None:
+            named["structured_outputs"] = dict(self.structured_outputs)
+        for field, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, field) is not None:
+                named[field] = {key: getattr(self, field)}
+        if self.guided_decoding_backend not in (None, *GRAMMAR_BACKENDS):
+            raise ValueError(
+                f"guided_decoding_backend {self.guided_decoding_backend!r} is not available; "
+                "this server constrains output with xgrammar"
+            )
+        if not named:
+            return None
+        if len(named) > 1:
+            raise ValueError(f"give one output constraint, not {', '.join(named)}")
+        ((field, values),) = named.items()
+        unknown = set(values) - {"json", "regex", "choice", "grammar", "json_object"}
+        if unknown:
+            raise ValueError(f"{field} has unknown keys {sorted(unknown)}")
+        try:
+            return StructuredOutputsParams(**values)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{field}: {e}") from None
 
     @property
     def include_usage(self) -> bool:
@@ -92,6 +160,7 @@ class SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
             watermarking=self.watermarking,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     def _logit_bias(self) -> dict[int, float] | None:
@@ -105,7 +174,8 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int | None = Field(16, ge=1)
+    # 0 with echo=true: score the prompt (its logprobs), generate nothing (as vLLM)
+    max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -115,23 +185,76 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str = Field(..., max_length=256)
+    arguments: str = Field("", max_length=1_000_000)
+
+
+class ToolCall(BaseModel):
+    id: str = Field(..., max_length=256)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(None, max_length=256)
 
-    def to_template_dict(self) -> dict[str, str]:
-        """String content, as chat templates expect it (text parts joined by newlines)."""
+    def to_template_dict(self) -> dict[str, Any]:
+        """String content, as chat templates expect it (text parts joined by newlines);
+        a tool call's arguments as an object where they parse (templates print them)."""
         if isinstance(self.content, list):
             content = "\n".join(part.text for part in self.content)
         else:
             content = self.content or ""
-        message = {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _maybe_json(call)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+def _maybe_json(call: ToolCall) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(..., pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = Field(None, max_length=8192)
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str = Field(..., max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -141,6 +264,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:

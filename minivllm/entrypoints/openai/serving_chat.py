@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +31,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     unless_disconnected,
     usage,
 )
+from minivllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, read_calls
 from minivllm.outputs import CompletionOutput, Logprob
 
 
@@ -37,19 +39,23 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, raw_request: Request) -> Response:
         request: ChatCompletionRequest = await self.parse(raw_request, ChatCompletionRequest)
         model = self.check_model(request.model)
-        prompt_text = self.render(request.messages, request.add_generation_prompt)
+        tools = plan_tools(request, self.state.tool_call_parser)
+        prompt_text = self.render(request.messages, request.add_generation_prompt, tools.tools)
         prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False).input_ids)
         max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens, "messages")
         if request.top_logprobs and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self.sampling_params(request, max_tokens, top_logprobs)
+        if tools.constraint is not None:
+            params.structured_outputs = tools.constraint
         request_id = new_request_id("chatcmpl")
         prompt = {"prompt_token_ids": prompt_ids, "prompt": prompt_text}
         streams = await self.start([prompt], [params], request_id, request.cache_salt)
         meta = {"id": request_id, "created": int(time.time()), "model": model}
         if request.stream:
-            return EventStreamResponse(self._stream(request, meta, streams[0]), streams)
+            body = self._stream(request, meta, streams[0], tools)
+            return EventStreamResponse(body, streams)
         try:
             output = await unless_disconnected(raw_request, collect(streams[0]))
         except ClientDisconnected:
@@ -58,16 +64,20 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(exc) from None
         finally:
             close_all(streams)
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": self._logprobs(c, top_logprobs) if top_logprobs is not None else None,
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in output.outputs
-        ]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = _message(tools, c)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": self._logprobs(c, top_logprobs)
+                    if top_logprobs is not None
+                    else None,
+                    "finish_reason": finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         num_completion_tokens = sum(len(c.token_ids) for c in output.outputs)
         body = {
             **meta,
@@ -78,8 +88,17 @@ class OpenAIServingChat(OpenAIServing):
         return JSONResponse(body)
 
     async def _stream(
-        self, request: ChatCompletionRequest, meta: dict[str, Any], stream: RequestStream
+        self,
+        request: ChatCompletionRequest,
+        meta: dict[str, Any],
+        stream: RequestStream,
+        tools: ToolPlan,
     ) -> AsyncIterator[str]:
+        """Text deltas as tokens arrive; with tool calls possible (any tool mode but
+        "none"), each choice's reply is held back and sent whole when it finishes, since a
+        call is only known once its text is complete."""
+        holding = tools.mode != "none"
+        held: dict[int, list[str]] = {}
         meta = {**meta, "object": "chat.completion.chunk"}
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         num_prompt_tokens = num_completion_tokens = 0
@@ -94,6 +113,21 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     num_completion_tokens += len(c.token_ids)
                     logprobs = self._logprobs(c, top_logprobs) if top_logprobs is not None else None
+                    if holding:
+                        held.setdefault(c.index, []).append(c.text)
+                        if c.finish_reason is None:
+                            continue
+                        whole = _copy_text(c, "".join(held.pop(c.index)))
+                        message, finish_reason = _message(tools, whole)
+                        delta = {k: v for k, v in message.items() if k != "role"}
+                        if delta.get("tool_calls"):
+                            delta["tool_calls"] = [
+                                {"index": i, **call} for i, call in enumerate(delta["tool_calls"])
+                            ]
+                        choice = _chunk_choice(c.index, delta, logprobs, c)
+                        choice["finish_reason"] = finish_reason
+                        yield sse({**meta, "choices": [choice]})
+                        continue
                     if not c.text and logprobs is None and c.finish_reason is None:
                         continue  # tokens that are not text yet (a partial UTF-8 character)
                     choice = _chunk_choice(c.index, {"content": c.text}, logprobs, c)
@@ -137,3 +171,20 @@ def _chunk_choice(
         "finish_reason": c.finish_reason if c else None,
         "stop_reason": c.stop_reason if c else None,
     }
+
+
+def _message(tools: ToolPlan, c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice, and its finish_reason."""
+    content, calls = read_calls(tools, c.text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if not calls:
+        return message, c.finish_reason
+    message["tool_calls"] = calls
+    # a forced call ends as OpenAI ends one ("stop"); a chosen or required one as "tool_calls"
+    return message, "stop" if tools.mode == "named" else "tool_calls"
+
+
+def _copy_text(c: CompletionOutput, text: str) -> CompletionOutput:
+    whole = copy.copy(c)
+    whole.text = text
+    return whole

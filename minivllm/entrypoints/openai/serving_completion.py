@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     unless_disconnected,
     usage,
 )
-from minivllm.outputs import Logprob, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass
@@ -66,10 +67,18 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(request.model)
         prompts = self._prompts(request.prompt)
         wants_prompt_logprobs = request.echo and request.logprobs is not None
+        if request.max_tokens == 0 and not request.echo:
+            raise APIError(
+                400,
+                "max_tokens=0 generates nothing: it needs echo=true (prompt scoring)",
+                "max_tokens",
+            )
+        # scoring: the engine samples one token, which the response leaves out
+        max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
         params = [
             self.sampling_params(
                 request,
-                self.check_length(len(p.token_ids), request.max_tokens, "prompt"),
+                self.check_length(len(p.token_ids), max_tokens, "prompt"),
                 request.logprobs,
                 request.logprobs if wants_prompt_logprobs else None,
             )
@@ -121,7 +130,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_completion_tokens = 0
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):
             prompt.logprobs = list(output.prompt_logprobs or [])
-            for completion in output.outputs:
+            for completion in map(_scoring(request), output.outputs):
                 num_completion_tokens += len(completion.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
@@ -167,7 +176,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 if i not in started:
                     started.add(i)
                     num_prompt_tokens += len(output.prompt_token_ids)
-                for completion in output.outputs:
+                for completion in map(_scoring(request), output.outputs):
                     if not completion.token_ids and completion.finish_reason is None:
                         continue
                     num_completion_tokens += len(completion.token_ids)
@@ -254,3 +263,18 @@ def _is_token_ids(prompt: list[Any]) -> bool:
 
 async def _collect_all(streams: list[RequestStream]) -> list[RequestOutput]:
     return [await collect(stream) for stream in streams]
+
+
+def _scoring(request: CompletionRequest):
+    """Identity, except under max_tokens=0: each completion without its one sampled token."""
+    if request.max_tokens != 0:
+        return lambda completion: completion
+
+    def scored(completion: CompletionOutput) -> CompletionOutput:
+        empty = copy.copy(completion)
+        empty.text, empty.token_ids, empty.logprobs = "", [], []
+        if completion.finish_reason is not None:
+            empty.finish_reason, empty.stop_reason = "length", None
+        return empty
+
+    return scored

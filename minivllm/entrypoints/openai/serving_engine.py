@@ -40,6 +40,7 @@ class ServerState:
     served_model_names: list[str]
     max_model_len: int
     chat_template: str | None = None
+    tool_call_parser: str | None = None
     # refuse requests that opt out of the watermark (`--watermark-enforce`)
     watermark_enforce: bool = False
     is_draining: bool = False
@@ -63,7 +64,12 @@ class OpenAIServing:
         except ValidationError as exc:
             raise from_validation_error(exc, model) from None
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    def render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The conversation as prompt text, through `--chat-template` or the tokenizer's template."""
         template = self.state.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
@@ -79,6 +85,7 @@ class OpenAIServing:
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                tools=tools,
             )
         except Exception as exc:  # jinja raises many kinds; all mean "bad messages"
             raise APIError(
