@@ -219,6 +219,15 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torc
                 "float16 checkpoint on CPU: running in bfloat16 instead (faster, same range as float32)"
             )
             resolved = torch.bfloat16
+        if resolved == torch.bfloat16 and device == "cpu" and not _cpu_has_bf16():
+            # Without AVX512-BF16 every bf16 matmul converts to fp32 on the fly and
+            # minivllm's bf16 kernels are off: float32 weights (twice the memory) run
+            # faster. An explicit dtype="bfloat16" is still honoured.
+            logger.warning(
+                "this CPU has no AVX512-BF16: running the bfloat16 checkpoint in float32 "
+                "(dtype='auto'); pass --dtype bfloat16 to keep bf16 (half the memory, slower here)"
+            )
+            resolved = torch.float32
     elif dtype in _DTYPES:
         resolved = getattr(torch, _DTYPES[dtype])
     else:
@@ -226,6 +235,12 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any, device: str) -> torc
     if resolved not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"unsupported dtype {resolved}; use float32, bfloat16 or float16")
     return resolved
+
+
+def _cpu_has_bf16() -> bool:
+    from minivllm.kernels.isa import cpu_has_avx512_bf16
+
+    return cpu_has_avx512_bf16()
 
 
 def derive_max_model_len(hf_config: Any, requested: int | None) -> int:

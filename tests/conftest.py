@@ -185,3 +185,11 @@ def tokenizer(qwen3_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(qwen3_dir)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The CPU beside the results: the kernel tests skip where AVX512-BF16 is missing."""
+    from minivllm.kernels.isa import cpu_has_avx512_bf16, cpu_model, isa_summary
+
+    fast = "on" if cpu_has_avx512_bf16() else "OFF (no AVX512-BF16: kernel tests skip)"
+    return [f"CPU: {cpu_model()} [{isa_summary()}]; bf16 kernel path: {fast}"]

@@ -23,6 +23,24 @@ def test_labels_are_censoring_aware():
     assert [s.count for s in est.stats] == [2, 2, 0, 0]
 
 
+def test_unobserved_positions_start_from_the_position_before():
+    """Drafts accepted 10% of the time: 64 requests a step leave positions 1 and 2 with a
+    handful of observations per refit; they take position 0's fit, not the 0.82 prior,
+    until their own data is enough."""
+    rng = random.Random(1)
+    est = AcceptanceEstimator(3)
+    for _ in range(3):
+        for _ in range(64):
+            accepted = 0
+            while accepted < 3 and rng.random() < 0.1:
+                accepted += 1
+            est.observe([], 3, accepted)
+        est.step()
+    assert est.num_refits >= 1 and est.fitted == [True, False, False]
+    assert est.predict(0, 0.0) < 0.3
+    assert est.predict(1, 0.0) == est.predict(2, 0.0) == est.predict(0, 0.0)
+
+
 def test_the_estimator_converges_on_a_known_acceptance_process():
     """Position k accepts (given k-1 did) with sigmoid(w_k x + b_k), x the draft's margin."""
     truth = [(0.6, -1.0), (0.3, 0.2), (0.0, -0.4)]

@@ -155,3 +155,49 @@ def test_metrics_vllm_alias(qwen3_dir: Path, tmp_path: Path) -> None:
     ours = {k for k in samples if k.startswith("minivllm:")}
     assert ours and {k.replace("minivllm:", "vllm:", 1) for k in ours} <= set(samples)
     assert samples["vllm:num_requests_running"] == samples["minivllm:num_requests_running"]
+
+
+def test_auto_dtype_on_cpus_without_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 checkpoints run in float32 where the CPU has no bf16 arithmetic, unless asked."""
+    import torch
+    from transformers import Qwen3Config
+
+    from minivllm import config
+
+    hf = Qwen3Config(dtype="bfloat16")
+    monkeypatch.setattr(config, "_cpu_has_bf16", lambda: False)
+    assert config.resolve_dtype("auto", hf, "cpu") == torch.float32
+    assert config.resolve_dtype("bfloat16", hf, "cpu") == torch.bfloat16
+    monkeypatch.setattr(config, "_cpu_has_bf16", lambda: True)
+    assert config.resolve_dtype("auto", hf, "cpu") == torch.bfloat16
+
+
+def test_shutdown_frees_weights_and_kv_without_the_cyclic_collector(qwen3_dir: Path) -> None:
+    """Engines built one after another in one process (a notebook, a benchmark) must not
+    keep the previous ones' memory until Python's cyclic collector happens to run."""
+    import gc
+    import weakref
+
+    from minivllm import LLM
+
+    gc.collect()
+    gc.disable()
+    try:
+        spec = {"method": "draft_model", "model": str(qwen3_dir), "num_speculative_tokens": 2}
+        llm = LLM(
+            str(qwen3_dir),
+            dtype="float32",
+            kv_cache_memory_bytes=1 << 22,
+            speculative_config=spec,
+        )
+        runner = llm.llm_engine.executor.runner
+        refs = [
+            weakref.ref(runner.model),
+            weakref.ref(runner.attention_layers[0].kv_cache),
+            weakref.ref(runner.spec_decoder.proposer),
+        ]
+        del runner
+        llm.llm_engine.shutdown()
+        assert [r() is None for r in refs] == [True, True, True]
+    finally:
+        gc.enable()

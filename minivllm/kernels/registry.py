@@ -118,8 +118,11 @@ def select_kernels(device: str, dtype: torch.dtype, enabled: bool = True) -> Ker
         if module is not None:
             return Kernels(key, module)
     if device == "cpu":
-        logger.info(
-            "no compiled kernels for %s on this CPU (needs %s): plain PyTorch ops",
+        # a warning where a user expects the fast path (bf16); float32 has no kernels yet
+        log = logger.warning if dtype == torch.bfloat16 else logger.info
+        log(
+            "no compiled kernels for %s on this CPU (needs %s): plain PyTorch ops, the "
+            "fast path is off",
             dtype,
             " or ".join(f"{k.dtype} with {k.isa}" for k in _FAMILIES if k.device == device),
         )

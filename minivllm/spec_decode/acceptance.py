@@ -71,6 +71,7 @@ class AcceptanceEstimator:
         self.weights = [0.0] * self.num_positions
         self.biases = [INIT_BIAS] * self.num_positions
         self.stats = [PositionStats() for _ in range(self.num_positions)]
+        self.fitted = [False] * self.num_positions  # refit from its own observations yet
         self.steps = 0
         self.steps_since_refit = 0
 
@@ -96,9 +97,17 @@ class AcceptanceEstimator:
             self.refit()
 
     def refit(self) -> None:
+        informed = False  # whether the position before has a fit (its own or inherited)
         for k, s in enumerate(self.stats):
             if s.count >= MIN_OBSERVATIONS:
                 self._newton_step(k, s)
+                self.fitted[k] = True
+            elif k and not self.fitted[k] and informed:
+                # no data of its own yet (with rare acceptance, later positions are
+                # seldom observed): start from the position before, not the optimistic
+                # prior, since a later draft is rarely likelier to pass than an earlier one
+                self.weights[k], self.biases[k] = self.weights[k - 1], self.biases[k - 1]
+            informed = self.fitted[k] or (k > 0 and informed)
             self.stats[k] = PositionStats()
         self.num_refits += 1
         self.steps_since_refit = 0

@@ -54,4 +54,4 @@ class InProcessExecutor:
         return self.runner.execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        pass
+        self.runner.release()
