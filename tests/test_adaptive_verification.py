@@ -128,17 +128,19 @@ def test_drafting_stops_when_it_never_pays_except_for_explorers():
     curve = CostCurve.from_points({1: 1.0, 2: 100.0})  # any draft doubles nothing but costs 100x
     verifier = AdaptiveVerifier(2, curve, warmup_refits=0, explore_interval=5, explore_fraction=2)
     drafted = []
-    for _ in range(20):
+    for _ in range(100):
         if verifier.should_draft() or verifier.exploring:
             plan = verifier.plan([[1, 2]] * 4, [[], []] * 2, 4)
             drafted.append(sum(plan.admitted))
         else:
             verifier.skip()
             drafted.append(None)
-    # three empty plans, then only exploration steps (every 5th) draft, for every 2nd request
+    # three empty plans, then only exploration steps draft, for every 2nd request; each
+    # exploration that still finds no gain doubles the wait (5, 10, 20, then 40 = 8 x 5)
     assert drafted[:3] == [0, 0, 0]
-    assert [i for i, d in enumerate(drafted) if d is not None][3:] == [4, 9, 14, 19]
-    assert all(drafted[i] == 2 * 2 for i in (4, 9, 14, 19))
+    explored = [i for i, d in enumerate(drafted) if d is not None][3:]
+    assert explored == [4, 14, 34, 74]
+    assert all(drafted[i] == 2 * 2 for i in explored)
 
 
 def test_an_exploration_step_without_drafts_plans_nothing():
@@ -147,7 +149,22 @@ def test_an_exploration_step_without_drafts_plans_nothing():
     verifier = AdaptiveVerifier(2, CostCurve.from_points({1: 1.0, 2: 2.0}), explore_interval=1)
     assert verifier.exploring and verifier.explorers(0) == []
     assert verifier.plan([], [], 3).admitted == []
+    # that exploration found no gain: the next comes after two steps instead of one
+    assert not verifier.exploring
+    verifier.skip()
+    assert verifier.exploring
     assert verifier.plan([[4, 5]], [[1.0, 1.0]], 1).admitted == [2]  # explorers draft fully
+
+
+def test_an_exploration_verifies_every_explorer_that_drafted():
+    """With drafting off, only the explorers (one request in eight) drafted: the exploring
+    plan verifies all of them, not one in eight of them again."""
+    curve = CostCurve.from_points({1: 1.0, 2: 100.0})  # no draft ever pays
+    verifier = AdaptiveVerifier(3, curve, explore_interval=1, explore_fraction=8)
+    drafts, features = [[1, 2, 3]] * 8, [[0.0] * 3] * 8
+    assert verifier.plan(drafts, features, 64, 64, only_explorers=True).admitted == [3] * 8
+    verifier.skip()  # back-off: the next exploration comes a step later
+    assert sum(verifier.plan(drafts, features, 64, 64).admitted) == 3
 
 
 def test_whether_drafting_pays_is_judged_for_the_whole_batch():

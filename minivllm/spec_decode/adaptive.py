@@ -23,7 +23,8 @@ so an estimator that has come to trim everything keeps receiving the labels that
 could change its mind. Each plan also asks whether a whole speculative
 step (drafting included, for every request) beats a plain one; after `idle_plans`
 plans that say no (or one that says it loses by more than a fifth), the proposer
-is not run at all, except for the exploring requests, until a plan says yes again.
+is not run at all, except for the exploring requests, until a plan says yes again;
+each exploration that still says no doubles the interval to the next (up to 8x).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from minivllm.spec_decode.acceptance import AcceptanceEstimator
 # a plan whose whole speculative step runs below this share of a plain step's tokens per
 # second stops drafting at once, without waiting for `idle_plans` such plans
 CLEAR_LOSS = 0.8
+# while drafting is off, exploration steps come at most this many times less often
+MAX_EXPLORE_BACKOFF = 8
 
 
 @dataclass
@@ -125,6 +128,12 @@ class AdaptiveVerifier:
         self.explore_interval = explore_interval
         self.explore_fraction = explore_fraction
         self.idle_plans = idle_plans
+        # exploring steps back off while drafting stays off (x2 per exploration that still
+        # says no, up to MAX_EXPLORE_BACKOFF x), and return to every `explore_interval`
+        # steps as soon as a plan says drafting pays
+        self.interval = explore_interval
+        self.num_explorations = 0
+        self.since_exploration = 0
         self.num_plans = 0
         self.num_empty_plans = 0  # consecutive plans by which drafting did not pay
         self.num_trimmed = 0  # draft slots not verified, in total
@@ -132,14 +141,22 @@ class AdaptiveVerifier:
     @property
     def exploring(self) -> bool:
         """Whether the coming plan is an exploration step."""
-        return (self.num_plans + 1) % self.explore_interval == 0
+        return self.since_exploration + 1 >= self.interval
+
+    def _count_plan(self, explored: bool) -> None:
+        self.num_plans += 1
+        if explored:
+            self.num_explorations += 1
+            self.since_exploration = 0
+        else:
+            self.since_exploration += 1
 
     def explorers(self, num_requests: int) -> list[int]:
         """The requests an exploration step drafts fully for (rotating between steps)."""
         if num_requests <= 0:
             return []
         step = max(self.explore_fraction, 1)
-        offset = (self.num_plans // self.explore_interval) % step
+        offset = self.num_explorations % step
         return list(range(offset % num_requests, num_requests, step)) or [0]
 
     def should_draft(self) -> bool:
@@ -148,7 +165,7 @@ class AdaptiveVerifier:
 
     def skip(self) -> None:
         """A step on which nothing was proposed (still counts towards exploration)."""
-        self.num_plans += 1
+        self._count_plan(self.exploring)
 
     @property
     def warming_up(self) -> bool:
@@ -190,15 +207,18 @@ class AdaptiveVerifier:
         num_tokens_base: int,
         num_requests: int | None = None,
         context: float = 1.0,
+        only_explorers: bool = False,
     ) -> Plan:
         """How many drafts of each request to verify next step. `num_tokens_base`: the
         step's tokens without drafts (one per decode, plus any prefill); `num_requests`:
         the requests that gain a token next step, drafting or not (default: those with
-        drafts); `context`: the tokens each verified row attends to, on average."""
+        drafts); `context`: the tokens each verified row attends to, on average;
+        `only_explorers`: drafting was off and only this step's explorers drafted, so an
+        exploring plan verifies all of them (not one in `explore_fraction` of them again)."""
         num_reqs = len(drafts)
         total = max(num_requests if num_requests is not None else num_reqs, num_reqs)
         exploring = self.exploring
-        self.num_plans += 1
+        self._count_plan(exploring)
         if self.warming_up:
             return Plan([len(d) for d in drafts], float("nan"), float("nan"))
         slots = [
@@ -222,15 +242,21 @@ class AdaptiveVerifier:
         pays = spec[0] > 0 and spec_rate > plain_rate
         if pays:
             self.num_empty_plans = 0
-        elif spec_rate < CLEAR_LOSS * plain_rate:  # far behind: no need to confirm it
-            self.num_empty_plans = max(self.num_empty_plans + 1, self.idle_plans)
+            self.interval = self.explore_interval
         else:
-            self.num_empty_plans += 1
+            if spec_rate < CLEAR_LOSS * plain_rate:  # far behind: no need to confirm it
+                self.num_empty_plans = max(self.num_empty_plans + 1, self.idle_plans)
+            else:
+                self.num_empty_plans += 1
+            if exploring:
+                cap = MAX_EXPLORE_BACKOFF * self.explore_interval
+                self.interval = min(2 * self.interval, cap)
         admitted = [0] * num_reqs
         for _, r in slots[:best_b]:
             admitted[r] += 1
         if exploring:
-            for r in self.explorers(num_reqs):
+            chosen = range(num_reqs) if only_explorers else self.explorers(num_reqs)
+            for r in chosen:
                 admitted[r] = len(drafts[r])
         self.num_trimmed += len(slots) - sum(admitted)
         return Plan(admitted, best_tokens, best_seconds)

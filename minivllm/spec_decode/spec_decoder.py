@@ -92,7 +92,8 @@ class SpecDecoder:
         """Drafts to follow each state's tokens, never past max_model_len or max_tokens."""
         limits = [self._max_drafts(state) for state in states]
         adaptive = self.adaptive
-        if adaptive is not None and not adaptive.should_draft():
+        only_explorers = adaptive is not None and not adaptive.should_draft()
+        if only_explorers:
             if not adaptive.exploring:
                 adaptive.skip()
                 # no drafts, but a proposer that tracks the target (EAGLE) may catch up
@@ -108,10 +109,10 @@ class SpecDecoder:
         if self.adaptive is not None:
             num_drafting = sum(1 for n in limits if n > 0)
             self.adaptive.draft_cost.observe(num_drafting, time.perf_counter() - start)
-            self._trim(states)
+            self._trim(states, only_explorers)
         return {req_id: p.drafts for req_id, p in self.proposals.items()}
 
-    def _trim(self, states: list[CachedRequestState]) -> None:
+    def _trim(self, states: list[CachedRequestState], only_explorers: bool = False) -> None:
         """Keep only the drafts the adaptive planner admits."""
         ids = [s.req_id for s in states if s.req_id in self.proposals]
         if not ids:  # nothing drafted (every request at its limit): no plan to make
@@ -125,6 +126,7 @@ class SpecDecoder:
             len(states),
             len(states),
             context,
+            only_explorers,
         )
         for req_id, proposal, keep in zip(ids, proposals, plan.admitted):
             proposal.drafts = proposal.drafts[:keep]
