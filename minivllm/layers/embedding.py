@@ -12,7 +12,7 @@ from minivllm.distributed.parallel_state import (
     tp_all_gather,
     tp_all_reduce,
 )
-from minivllm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from minivllm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod, WeakLoader
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -28,7 +28,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def create_weights(self, hidden_size: int) -> None:
         self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = WeakLoader(self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
@@ -66,7 +66,9 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size)
 
     def create_weights(self, hidden_size: int) -> None:
-        self.quant_method.create_weights(self, hidden_size, self.shard_size, self.weight_loader)
+        self.quant_method.create_weights(
+            self, hidden_size, self.shard_size, WeakLoader(self.weight_loader)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         local = self.quant_method.apply(self, hidden, None)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
-from minivllm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod
+from minivllm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod, WeakLoader
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -35,11 +35,13 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.input_size, self.output_size = input_size, output_size
         self.quant_method = quant_method or UnquantizedLinearMethod()
-        self.quant_method.create_weights(self, input_size, output_size, self.weight_loader)
+        self.quant_method.create_weights(
+            self, input_size, output_size, WeakLoader(self.weight_loader)
+        )
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = WeakLoader(self.weight_loader)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)

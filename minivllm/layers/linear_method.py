@@ -15,6 +15,7 @@ method's choice alone: `process_weights_after_loading` receives the engine's
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
@@ -26,6 +27,21 @@ from minivllm.kernels.registry import Kernels
 from minivllm.layers.cpu_linear import CpuLinearKernel
 
 WeightLoader = Callable[..., None]
+
+
+class WeakLoader:
+    """A parameter's `weight_loader`: its module's method, held weakly. A bound method
+    stored on the parameter would close the cycle module -> parameter -> method -> module,
+    which only Python's cyclic collector frees, so a dropped engine's weights (GBs) would
+    stay resident until it happened to run."""
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method: WeightLoader) -> None:
+        self._method = weakref.WeakMethod(method)
+
+    def __call__(self, *args: object) -> None:
+        return self._method()(*args)
 
 
 class LinearMethodBase(ABC):

@@ -14,8 +14,8 @@ per position and window, so batch 1 refits after a few dozen steps). Every
 sooner once the first position has `refit_observations` new observations (a batch
 of 64 gathers them in one step: with 200, a batch-64 run whose drafts were rarely
 accepted stopped drafting before its first refit and kept the optimistic prior, so
-whether drafting restarted hung on the measured draft cost alone), each position with enough observations
-takes one step theta += (H + ridge I)^-1 g and its statistics restart (so the fit
+whether drafting restarted hung on the measured draft cost alone), each position
+with enough observations takes one step theta += (H + ridge I)^-1 g and its statistics restart (so the fit
 follows drift). Labels are censoring-aware:
 with m drafts verified and a accepted, position k is observed iff k <= a and
 k < m, and is a success iff k < a.
@@ -97,17 +97,16 @@ class AcceptanceEstimator:
             self.refit()
 
     def refit(self) -> None:
-        informed = False  # whether the position before has a fit (its own or inherited)
         for k, s in enumerate(self.stats):
             if s.count >= MIN_OBSERVATIONS:
                 self._newton_step(k, s)
                 self.fitted[k] = True
-            elif k and not self.fitted[k] and informed:
+            elif k and not self.fitted[k] and self.fitted[0]:
                 # no data of its own yet (with rare acceptance, later positions are
-                # seldom observed): start from the position before, not the optimistic
-                # prior, since a later draft is rarely likelier to pass than an earlier one
+                # seldom observed; position 0 is always observed most): start from the
+                # position before, not the optimistic prior, since a later draft is
+                # rarely likelier to pass than an earlier one
                 self.weights[k], self.biases[k] = self.weights[k - 1], self.biases[k - 1]
-            informed = self.fitted[k] or (k > 0 and informed)
             self.stats[k] = PositionStats()
         self.num_refits += 1
         self.steps_since_refit = 0

@@ -42,7 +42,23 @@ class GrammarBackend:
         )
         self.compiler = xgr.GrammarCompiler(info, max_threads=1)
         self.compile = functools.lru_cache(maxsize=CACHE_SIZE)(self._compile)
-        self.no_control_mask = _no_control_mask(info.decoded_vocab, vocab_size)
+        # Compact JSON never holds a raw control character (< 0x20; in strings they must
+        # be escaped), yet xgrammar 0.2.9's token-level matching lets such tokens into
+        # JSON strings (`"name": "\x17P"` was accepted), which strict parsers refuse:
+        # JSON constraints also mask them.
+        no_control = torch.tensor(
+            [not any(b < 0x20 for b in text) for text in info.decoded_vocab[:vocab_size]]
+            + [True] * max(vocab_size - len(info.decoded_vocab), 0)
+        )
+        self.no_control_mask = pack_bitmask(no_control)
+        # a finished grammar on a request that keeps running (ignore_eos): EOS only
+        eos_only = torch.zeros(vocab_size, dtype=torch.bool)
+        eos_only[sorted(stop_token_ids)] = True
+        self.eos_only_mask = pack_bitmask(eos_only)
+
+    def extra_mask(self, params: StructuredOutputsParams) -> torch.Tensor | None:
+        """What a request's rows are masked with besides its grammar (see no_control_mask)."""
+        return self.no_control_mask if params.key()[0] in ("json", "json_object") else None
 
     def compiled(self, params: StructuredOutputsParams) -> Any:
         return self.compile(params.key())
@@ -64,15 +80,10 @@ class GrammarBackend:
             raise ValueError(f"structured_outputs.{kind} could not be compiled: {first}") from e
 
 
-def _no_control_mask(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
-    """[ceil(V / 32)] int32, bit t set unless token t's bytes hold a control character
-    (< 0x20). Compact JSON never contains one raw (inside strings they must be escaped),
-    yet xgrammar's token-level matching lets such tokens into JSON strings (seen with
-    xgrammar 0.2.9: `"name": "\x17P"` accepted), which strict parsers then refuse."""
-    allowed = torch.ones(-(-vocab_size // 32) * 32, dtype=torch.bool)
-    for token, text in enumerate(decoded_vocab[:vocab_size]):
-        if any(byte < 0x20 for byte in text):
-            allowed[token] = False
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[V] bool -> [ceil(V / 32)] int32 words, token t at bit t % 32 of word t // 32
+    (xgrammar's layout; `layers.sampler.unpack_bitmask` reads it back)."""
+    padded = torch.zeros(-(-allowed.numel() // 32) * 32, dtype=torch.bool)
+    padded[: allowed.numel()] = allowed
     weights = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int64)
-    words = (allowed.view(-1, 32).long() * weights).sum(dim=1)
-    return words.to(torch.int32)
+    return (padded.view(-1, 32).long() * weights).sum(dim=1).to(torch.int32)

@@ -30,8 +30,8 @@ class StructuredOutputManager:
         self.eos_token_ids = sorted(eos_token_ids)
         self.trust_remote_code = trust_remote_code
         self._backend: GrammarBackend | None = None
-        self.matchers: dict[str, Any] = {}
-        self.json_requests: set[str] = set()  # compact JSON: no raw control characters
+        # request -> (its matcher, the mask its rows also take, or None)
+        self.matchers: dict[str, tuple[Any, torch.Tensor | None]] = {}
 
     @property
     def backend(self) -> GrammarBackend:
@@ -49,40 +49,35 @@ class StructuredOutputManager:
         matcher = _xgrammar().GrammarMatcher(self.backend.compiled(params))
         for token in state.output_token_ids:
             matcher.accept_token(token)
-        self.matchers[state.req_id] = matcher
-        if params.key()[0] in ("json", "json_object"):
-            self.json_requests.add(state.req_id)
+        self.matchers[state.req_id] = (matcher, self.backend.extra_mask(params))
 
     def remove(self, req_ids: set[str]) -> None:
         for req_id in req_ids:
             self.matchers.pop(req_id, None)
-            self.json_requests.discard(req_id)
 
     def bitmask(self, states: list[CachedRequestState]) -> torch.Tensor | None:
         """[rows, ceil(V / 32)] int32, bit t of a row set where token t is allowed (all
         set on unconstrained rows); None when no row is constrained."""
         rows = [(i, self.matchers.get(s.req_id)) for i, s in enumerate(states)]
-        rows = [(i, m) for i, m in rows if m is not None]
+        rows = [(i, entry) for i, entry in rows if entry is not None]
         if not rows:
             return None
-        xgr = _xgrammar()
-        mask = xgr.allocate_token_bitmask(len(states), self.vocab_size)
-        for i, matcher in rows:
-            if matcher.is_terminated():  # finished, but still running (ignore_eos): EOS only
-                mask[i] = 0
-                for token in self.eos_token_ids:
-                    mask[i, token // 32] |= _bit(token % 32)
-            else:
-                matcher.fill_next_token_bitmask(mask, i)
-                if states[i].req_id in self.json_requests:
-                    mask[i] &= self.backend.no_control_mask
+        mask = _xgrammar().allocate_token_bitmask(len(states), self.vocab_size)
+        for i, (matcher, extra) in rows:
+            if matcher.is_terminated():  # finished, but still running (ignore_eos)
+                mask[i] = self.backend.eos_only_mask
+                continue
+            matcher.fill_next_token_bitmask(mask, i)
+            if extra is not None:
+                mask[i] &= extra
         return mask
 
     def accept(self, states: list[CachedRequestState], emitted: list[list[int]]) -> None:
         for state, tokens in zip(states, emitted):
-            matcher = self.matchers.get(state.req_id)
-            if matcher is None:
+            entry = self.matchers.get(state.req_id)
+            if entry is None:
                 continue
+            matcher = entry[0]
             for token in tokens:
                 if matcher.is_terminated():
                     break  # the stop token that ended the grammar; the request ends with it
@@ -91,8 +86,3 @@ class StructuredOutputManager:
                         "request %s: token %d is outside its grammar", state.req_id, token
                     )
                     break
-
-
-def _bit(position: int) -> int:
-    """Bit `position` of an int32 word (bit 31 is the sign bit)."""
-    return (1 << position) - (1 << 32 if position == 31 else 0)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.parallel_state import tp_broadcast
@@ -162,18 +161,9 @@ class ModelRunner:
             self.spec_decoder.enable_adaptive(profile_step_cost(self, num_blocks))
 
     def release(self) -> None:
-        """Drop the weights, KV cache and proposer at shutdown. The runner's objects refer
-        to each other in cycles, which only Python's cyclic collector frees, whenever it
-        next runs: until then a shut-down engine in a long-lived process (a notebook, a
-        benchmark building engine after engine) kept ~2 GB per 0.6B engine resident."""
-        models = [self.model]
-        if self.spec_decoder is not None:
-            models += [
-                m for m in vars(self.spec_decoder.proposer).values() if isinstance(m, nn.Module)
-            ]
-        for model in models:  # each parameter's weight_loader is a method of its module
-            for param in model.parameters():
-                param.__dict__.pop("weight_loader", None)
+        """Drop the weights, KV cache and proposer at shutdown, so they go even while
+        something still holds the engine object (parameters hold their loaders weakly,
+        `WeakLoader`, so a dropped engine is freed by reference counting alone)."""
         for layer in self.attention_layers:
             layer.kv_cache = None
         self.attention_layers = []
