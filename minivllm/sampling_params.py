@@ -115,12 +115,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k == -1:  # vLLM accepts -1 for "off"
-            self.top_k = 0
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        if self.top_k is None or (type(self.top_k) is int and self.top_k == -1):
+            self.top_k = 0  # vLLM accepts -1 for "off"
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _logit_bias(self.logit_bias)
         self._validate()
         self.all_stop_token_ids = set(self.stop_token_ids)
 
@@ -188,6 +188,32 @@ class SamplingParams:
 
 
 _INIT_FIELDS = [f for f in SamplingParams.__dataclass_fields__ if f != "all_stop_token_ids"]
+
+
+def _as_list(name: str, value: object) -> list:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _logit_bias(value: object) -> dict[int, float]:
+    """Token id -> bias; ids may come as integer strings (JSON object keys)."""
+    if not isinstance(value, dict):
+        raise TypeError(
+            f"logit_bias must be a dict of token id to bias, got {type(value).__name__}"
+        )
+    bias = {}
+    for key, v in value.items():
+        try:
+            token_id = int(key) if isinstance(key, str) else key
+        except ValueError:
+            raise ValueError(f"logit_bias keys must be token ids, got {key!r:.40}") from None
+        _check_int("logit_bias key", token_id, 0, None)
+        _check_range(f"logit_bias[{token_id}]", v, -100.0, 100.0)
+        bias[token_id] = float(v)
+    return bias
 
 
 def _check_int(name: str, value: object, low: int | None, high: int | None) -> None:

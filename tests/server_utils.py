@@ -81,6 +81,21 @@ OTHER_TEMPLATE = (
 )
 
 
+def tiny_server_args(*extra: str, kv_cache: str = "4MiB") -> list[str]:
+    """`minivllm serve` flags for the tiny test checkpoint, then `extra`."""
+    return [
+        "--served-model-name",
+        MODEL,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--kv-cache-memory-bytes",
+        kv_cache,
+        *extra,
+    ]
+
+
 def greedy_text(client: openai.OpenAI, prompt: str) -> str:
     return client.completions.create(model=MODEL, prompt=prompt, **GREEDY).choices[0].text
 

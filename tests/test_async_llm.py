@@ -102,6 +102,80 @@ def test_async_llm_step_failure_fails_requests_then_recovers(
     assert engine.kv_cache_manager.usage == 0.0
 
 
+def test_a_failing_request_fails_alone_and_the_others_finish_unchanged(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises because of one request (here: any step holding the request
+    with seed 666) fails that request only; the others, batched with it, are rerun and
+    give the tokens they give without it (greedy: an independent run is the oracle)."""
+    from minivllm import SamplingParams
+    from minivllm.engine.async_llm import EngineStepError
+    from minivllm.worker.input_batch import InputBatch
+
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    poison = SamplingParams(temperature=1.0, seed=666, max_tokens=6, ignore_eos=True)
+    prompts = [[5 + i, 6, 7, 8] for i in range(4)]
+
+    async def run_all(async_llm: Any, with_poison: bool) -> list[Any]:
+        async def one(rid: str, prompt: list[int], params: Any) -> Any:
+            ids: list[int] = []
+            try:
+                async for out in async_llm.generate({"prompt_token_ids": prompt}, params, rid):
+                    ids.extend(out.outputs[0].token_ids)
+            except EngineStepError as exc:
+                return exc
+            return ids
+
+        jobs = [one(f"g{i}-{with_poison}", p, greedy) for i, p in enumerate(prompts)]
+        if with_poison:
+            jobs.insert(2, one("poison", [9, 10, 11], poison))
+        return await asyncio.gather(*jobs)
+
+    add = InputBatch.add
+
+    def failing_add(self: Any, state: Any) -> None:
+        if state.sampling_params.seed == 666:
+            raise OverflowError("a value this request carries does not fit")
+        add(self, state)
+
+    async def body(async_llm: Any) -> tuple[list[Any], list[Any]]:
+        expected = await run_all(async_llm, with_poison=False)
+        monkeypatch.setattr(InputBatch, "add", failing_add)
+        return expected, await run_all(async_llm, with_poison=True)
+
+    expected, got = _run_async_llm(engine, body)
+    assert isinstance(got.pop(2), EngineStepError)
+    assert got == expected and all(len(ids) == 6 for ids in expected)
+    assert not engine.has_unfinished_requests() and not engine.scheduler.isolating
+    assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_dead_engine_stops_its_loop(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a fatal failure the loop ends: no step is retried (a dead tensor-parallel
+    engine once spun writing ~4 MB/s of tracebacks)."""
+    from minivllm import SamplingParams
+    from minivllm.engine.async_llm import EngineDeadError
+    from minivllm.worker.local_workers import WorkerError
+
+    calls = []
+
+    def dead_worker_step() -> Any:
+        calls.append(1)
+        raise WorkerError("rank 1 (pid 1234) was killed by SIGKILL")
+
+    monkeypatch.setattr(engine, "step", dead_worker_step)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def body(async_llm: Any) -> None:
+        with pytest.raises(EngineDeadError):
+            async for _ in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "a"):
+                pass
+        await asyncio.sleep(0.2)
+        assert async_llm._loop_task.done() and len(calls) == 1
+
+    _run_async_llm(engine, body)
+
+
 def test_async_llm_dead_tensor_parallel_worker_is_fatal(
     engine: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

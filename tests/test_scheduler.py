@@ -129,3 +129,35 @@ def test_length_and_stop_token_rules():
     (result,) = s.update(out, ModelRunnerOutput(sampled_token_ids={"a": [9]}))
     assert result.finish_reason == "stop" and result.stop_reason == 9
     assert s.kv.pool.num_free_blocks == 8
+
+
+def test_admission_is_fair_between_clients():
+    """One client's flood queued first does not hold back another's request: admission
+    goes to the client with the fewest running sequences (FCFS within a client)."""
+    s = _scheduler(num_blocks=64, max_seqs=4)
+    for i in range(10):
+        _add(s, f"flood{i}", 3).client_id = "10.0.0.1"
+    _add(s, "other", 3).client_id = "10.0.0.2"
+    out = _step(s)
+    assert set(out.num_scheduled_tokens) == {"flood0", "other", "flood1", "flood2"}
+    # one client alone: plain first come, first served
+    s = _scheduler(num_blocks=64, max_seqs=4)
+    for i in range(6):
+        _add(s, f"r{i}", 3).client_id = "10.0.0.1"
+    assert list(_step(s).num_scheduled_tokens) == ["r0", "r1", "r2", "r3"]
+
+
+def test_after_a_failed_step_requests_run_alone_until_each_passes():
+    s = _scheduler(num_blocks=64)
+    for name in "abc":
+        _add(s, name, 3, max_tokens=8)
+    _step(s)
+    _add(s, "d", 3)
+    out = s.schedule()  # this step "raises": its requests' state is unknown
+    assert set(out.num_scheduled_tokens) == {"a", "b", "c", "d"}
+    s.recover_from_failed_step(list(out.num_scheduled_tokens))
+    assert not s.running and s.kv.usage == 0.0  # everything is recomputed
+    for name in "abcd":
+        assert list(_step(s).num_scheduled_tokens) == [name]
+    assert not s.isolating
+    assert set(_step(s).num_scheduled_tokens) == {"a", "b", "c", "d"}  # batched again

@@ -149,7 +149,8 @@ def test_bad_requests_do_not_harm_requests_in_flight(
     async def bad(http: httpx.AsyncClient, body: Any) -> int:
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
         path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
-        return (await http.post(server.url + path, content=content)).status_code
+        headers = {"content-type": "application/json"}
+        return (await http.post(server.url + path, content=content, headers=headers)).status_code
 
     async def run() -> tuple[list[str], list[int]]:
         async with aclient, httpx.AsyncClient(timeout=60) as http:

@@ -121,12 +121,16 @@ def test_tp2_matches_tp1(make_checkpoint, tp2_engines, arch: str) -> None:
     assert all(_shm_segments(pid) == [] for pid in runner_workers)
 
 
-def test_multi_node_on_loopback(make_checkpoint, tp2_engines, tmp_path: Path) -> None:
-    """Node 0 (this engine, rank 0 its child) and node 1, a headless `minivllm worker`."""
+def test_multi_node_on_loopback(
+    make_checkpoint, tp2_engines, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Node 0 (this engine, rank 0 its child) and node 1, a headless `minivllm worker`,
+    sharing the control plane's secret."""
     model = str(make_checkpoint("Qwen3ForCausalLM"))
     port = free_port()
-    # Node 1 meets node 0 through another loopback address, from torchrun's variables.
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": str(port)}
+    monkeypatch.setenv("MINIVLLM_TP_SECRET", "a shared secret of this test")
+    # Node 1 finds node 0 from torchrun's variables.
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     env["PYTHONPATH"] = str(REPO_ROOT)
     log = open(tmp_path / "node1.log", "w")  # noqa: SIM115 - closed below
     node1 = subprocess.Popen(

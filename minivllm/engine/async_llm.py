@@ -14,6 +14,7 @@ wait on the lock and join the next step: that is how many clients share a batch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -139,6 +140,7 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         cache_salt: str | None = None,
+        client_id: str | None = None,
     ) -> RequestStream:
         """Queue a request now and return its output stream.
 
@@ -154,7 +156,12 @@ class AsyncLLM:
             if self.dead_error is not None:
                 raise self.dead_error
             self.engine.add_request(
-                request_id, prompt, params, output_kind=OutputKind.DELTA, cache_salt=cache_salt
+                request_id,
+                prompt,
+                params,
+                output_kind=OutputKind.DELTA,
+                cache_salt=cache_salt,
+                client_id=client_id,
             )
             self._streams[request_id] = queue
         self._wakeup.set()
@@ -179,6 +186,15 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, between steps; False (nothing done) while requests run."""
+        assert self._lock is not None, "call start() first"
+        async with self._lock:
+            if self.engine.has_unfinished_requests():
+                return False
+            self.engine.kv_cache_manager.pool.reset_prefix_cache()
+            return True
+
     def _forget(self, request_id: str, abort: bool) -> None:
         if self._streams.pop(request_id, None) is not None and abort:
             self.abort(request_id)
@@ -191,7 +207,7 @@ class AsyncLLM:
 
     async def _run(self) -> None:
         assert self._lock is not None and self._wakeup is not None
-        while True:
+        while self.dead_error is None:  # a dead engine stops its loop (nothing can run)
             await self._wakeup.wait()
             self._wakeup.clear()
             async with self._lock:
@@ -237,22 +253,39 @@ class AsyncLLM:
             self.metrics.record_stats(self.engine.stats())
 
     def _fail_in_flight(self, exc: Exception) -> None:
-        """A step raised: abort every request (their state is unknown) and tell their clients."""
-        logger.exception("engine step failed; aborting %d request(s)", len(self._streams))
-        error: Exception = EngineStepError(
+        """A step raised: fail the request that caused it, if the step ran it alone; else
+        the engine reruns the step's requests one at a time to find it
+        (`LLMEngine.recover_from_failed_step`), and the others go on unharmed. A lost
+        tensor-parallel rank, or a failed recovery, stops the engine."""
+        error = EngineStepError(
             f"the engine failed while running this request ({type(exc).__name__})"
         )
         try:
             if isinstance(exc, WorkerError):  # a tensor-parallel rank is gone: nothing can run
                 raise exc
-            self._abort_all()
-            if self.engine.has_unfinished_requests():
-                raise RuntimeError("requests remain after aborting all of them")
+            culprits = self.engine.recover_from_failed_step()
+            logger.error(
+                "engine step failed (%s: %s); %s",
+                type(exc).__name__,
+                str(exc)[:200],
+                f"failing request {culprits[0]}"
+                if culprits
+                else "rerunning its requests one at a time to find the cause",
+                exc_info=exc,
+            )
+            for output in self.engine.abort_request(culprits):
+                if self.metrics is not None:
+                    self.metrics.record_output(output)
+            for request_id in culprits:
+                queue = self._streams.pop(request_id, None)
+                if queue is not None:
+                    queue.put_nowait(error)
         except Exception:
             logger.exception("could not recover the engine after a failed step")
             self.dead_error = EngineDeadError("the engine stopped after an internal error")
-            error = self.dead_error
-        self._fail_streams(error)
+            with contextlib.suppress(Exception):  # a dead engine may not abort cleanly
+                self._abort_all()
+            self._fail_streams(self.dead_error)
         self._record_stats()
 
     def _abort_all(self) -> None:

@@ -46,6 +46,7 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self._stepping: list[str] = []  # the request ids of the step in progress
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.startup_seconds = time.perf_counter() - start
@@ -90,8 +91,11 @@ class LLMEngine:
         arrival_time: float | None = None,
         output_kind: OutputKind = OutputKind.FINAL_ONLY,
         cache_salt: str | None = None,
+        client_id: str | None = None,
     ) -> str:
-        """Validate and queue a request; raises ValueError/TypeError on bad input."""
+        """Validate and queue a request; raises ValueError/TypeError on bad input.
+
+        `client_id` names the sender, so admission can be fair between senders."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
@@ -115,7 +119,7 @@ class LLMEngine:
         eos = self.config.model.eos_token_ids
         for child_id, child in zip(child_ids, child_params):
             self.scheduler.add_request(
-                Request(child_id, token_ids, child, eos, arrival, cache_salt)
+                Request(child_id, token_ids, child, eos, arrival, cache_salt, client_id)
             )
         return request_id
 
@@ -141,12 +145,29 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
+        self._stepping = []
         scheduler_output = self.scheduler.schedule()
+        self._stepping = list(scheduler_output.num_scheduled_tokens)
         runner_output = self.executor.execute(scheduler_output)
         core_outputs = self.scheduler.update(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def recover_from_failed_step(self) -> list[str]:
+        """After `step` raised: the requests to fail. When the step ran one request alone,
+        that request; when it ran several, none: every running request is recomputed and
+        the step's requests run one at a time, so a repeat of the failure names its
+        request (`Scheduler.recover_from_failed_step`). When the step failed before it
+        scheduled anything, all of them (nothing else would end the failures)."""
+        stepping, self._stepping = self._stepping, []
+        if not stepping:
+            return list(self.output_processor.parents)
+        if len(stepping) == 1:
+            parent = self.output_processor.child_to_parent.get(stepping[0])
+            return [parent[0].request_id] if parent is not None else []
+        self.scheduler.recover_from_failed_step(stepping)
+        return []
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

@@ -46,6 +46,8 @@ class Request:
     eos_token_ids: frozenset[int]
     arrival_time: float
     cache_salt: str | None = None
+    # who sent it (the server: the peer address); the scheduler shares admission fairly
+    client_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING

@@ -25,6 +25,15 @@ class Scheduler:
     When the pool runs out of blocks, the newest running request is preempted:
     its blocks are freed and it goes back to the head of the queue, to be
     recomputed from its prompt and the tokens it had already produced.
+
+    After a step that raised (`recover_from_failed_step`), every running request
+    is preempted and the step's requests run one at a time (`isolating`) until
+    each has produced a token: a step that fails again with one request in it
+    names the request that causes the failure, and only that one is failed.
+
+    Waiting requests are admitted first come, first served within a client, and
+    across clients (`Request.client_id`) the client with the fewest running
+    sequences goes first, so one client's flood cannot starve the others.
     """
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -36,6 +45,8 @@ class Scheduler:
         self.removed_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats: SpecDecodeStats | None = None  # set when drafts are proposed
+        # after a failed step: these requests run alone, in order, until each passes a step
+        self.isolating: deque[str] = deque()
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -45,6 +56,50 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        while self.isolating and self.isolating[0] not in self.requests:
+            self.isolating.popleft()  # finished or aborted meanwhile
+        if self.isolating:
+            return self._schedule_alone(self.requests[self.isolating[0]])
+        return self._schedule()
+
+    def _schedule_alone(self, request: Request) -> SchedulerOutput:
+        """A step with only `request` in it; the others keep their places and their blocks."""
+        others_running = [r for r in self.running if r is not request]
+        others_waiting = [r for r in self.waiting if r is not request]
+        self.running = [request] if request.status == RequestStatus.RUNNING else []
+        self.waiting = deque([] if self.running else [request])
+        try:
+            return self._schedule()
+        finally:
+            self.running += others_running
+            self.waiting.extend(others_waiting)
+
+    def recover_from_failed_step(self, suspects: list[str]) -> None:
+        """A step raised, leaving its requests' state unknown: recompute every running
+        request, and run `suspects` (the failed step's requests) one at a time."""
+        for request in reversed(self.running):  # appendleft: the queue keeps their order
+            self._preempt(request)
+        self.running = []
+        self.isolating = deque(r for r in suspects if r in self.requests)
+
+    def _running_per_client(self) -> dict[str | None, int] | None:
+        """Sequences running per client, when more than one client waits (else None)."""
+        if len({r.client_id for r in self.waiting}) < 2:
+            return None
+        running: dict[str | None, int] = {}
+        for r in self.running:
+            running[r.client_id] = running.get(r.client_id, 0) + 1
+        return running
+
+    def _next_waiting(self, running: dict[str | None, int] | None) -> Request:
+        """The head of the queue (a preempted request first of all), unless another client
+        has fewer sequences running: then that client's oldest request."""
+        head = self.waiting[0]
+        if running is None or head.status == RequestStatus.PREEMPTED:
+            return head
+        return min(self.waiting, key=lambda r: running.get(r.client_id, 0))  # first of the least
+
+    def _schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -75,16 +130,19 @@ class Scheduler:
             i += 1
 
         preempted = self.num_preemptions > num_preemptions_before
+        per_client = self._running_per_client()
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
-            request = self.waiting[0]
+            request = self._next_waiting(per_client)
             computed_blocks, num_hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             lookahead = self.config.num_lookahead_tokens
             if self.kv.allocate_slots(request, num_new, computed_blocks, lookahead) is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            if per_client is not None:
+                per_client[request.client_id] = per_client.get(request.client_id, 0) + 1
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_hit
@@ -154,6 +212,8 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) - num_accepted
                 self._observe_spec(len(drafts), num_accepted)
             request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
+            if new_token_ids and self.isolating and self.isolating[0] == req_id:
+                self.isolating.popleft()  # it ran alone and passed
             if not new_token_ids and prompt_logprobs is None:
                 continue  # a prompt chunk: nothing to report yet
             kept = self._append_and_check_stop(request, new_token_ids)

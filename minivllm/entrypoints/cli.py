@@ -15,6 +15,7 @@ from minivllm import __version__
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.entrypoints import watermark_cli, worker_cli
 from minivllm.entrypoints.log import setup_logging
+from minivllm.entrypoints.openai.limits import add_limit_args, limits_from
 
 if TYPE_CHECKING:
     from minivllm.engine.async_llm import AsyncLLM
@@ -187,6 +188,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="port to listen on; 0 picks a free one (default: %(default)s)",
     )
     server.add_argument(
+        "--grpc",
+        action="store_true",
+        help="serve vLLM's gRPC protocol (the VllmEngine service) instead of HTTP, on --port, "
+        "as `vllm serve --grpc` does; with --grpc-port, beside HTTP (docs/grpc.md)",
+    )
+    server.add_argument(
+        "--grpc-port",
+        metavar="PORT",
+        type=int,
+        default=None,
+        help="with --grpc: serve gRPC on this port and keep HTTP on --port; 0 picks a free one",
+    )
+    server.add_argument(
         "--api-key",
         metavar="KEY",
         default=None,
@@ -262,6 +276,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="leave POST /v1/watermark/detect open without the API key (everything else "
         "still needs it): the public may check texts but not generate",
     )
+    server.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="add vLLM's scale-out routes: POST /v1/completions/render, "
+        "/v1/chat/completions/render (tokenize only), /inference/v1/generate (token ids in "
+        "and out) and the matching /derender routes (docs/scale-out.md)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"model name (`minivllm models` lists them); default: {DEFAULT_MODEL}",
     )
     add_server_args(serve)
+    add_limit_args(serve)
     add_engine_args(serve)
     worker_cli.add_multinode_args(serve)
     serve.set_defaults(handler=serve_command, parser=serve)
@@ -337,6 +359,8 @@ def serve_command(args: argparse.Namespace) -> int:
         engine_args = engine_args_from(args)
         if args.enable_auto_tool_choice and not args.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        if args.grpc_port is not None and not args.grpc:
+            raise ValueError("--grpc-port needs --grpc")
         if args.watermark_enforce and not args.watermark_config:
             raise ValueError("--watermark-enforce needs --watermark-config: nothing is watermarked")
         config = ServerConfig(
@@ -348,11 +372,15 @@ def serve_command(args: argparse.Namespace) -> int:
             tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
             metrics_vllm_alias=args.metrics_vllm_alias,
             max_request_body_bytes=args.max_request_body_bytes,
+            limits=limits_from(args),
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
             watermark_enforce=args.watermark_enforce,
             watermark_public_detection=args.watermark_public_detection,
+            enable_scale_out=args.enable_scale_out,
+            grpc=args.grpc,
+            grpc_port=args.grpc_port,
         )
     except (ValueError, TypeError) as exc:
         logger.error("%s", exc)
@@ -362,6 +390,13 @@ def serve_command(args: argparse.Namespace) -> int:
     except OSError as exc:
         logger.error("cannot listen on %s:%d: %s", config.host, config.port, exc)
         return 1
+    if config.grpc_port:  # gRPC beside HTTP binds once serving: a busy port fails here, first
+        try:
+            bind_socket(config.host, config.grpc_port).close()
+        except OSError as exc:
+            logger.error("cannot listen for gRPC on %s:%d: %s", config.host, config.grpc_port, exc)
+            sock.close()
+            return 1
     metrics = EngineMetrics(
         config.served_model_names[0] if config.served_model_names else args.model
     )

@@ -96,12 +96,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_node(parallel: ParallelConfig, node_rank: int) -> int:
     from minivllm.worker.local_workers import LocalWorkers
-    from minivllm.worker.worker import node_specs
+    from minivllm.worker.worker import node_specs, tp_secret
 
     init_method = parallel.distributed_init_method
     assert init_method is not None  # ParallelConfig requires it with several nodes
     threads = max(1, len(os.sched_getaffinity(0)) // parallel.ranks_per_node)
-    specs = node_specs(parallel, node_rank, init_method, threads)
+    try:
+        secret = tp_secret(parallel.nnodes)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    specs = node_specs(parallel, node_rank, init_method, threads, secret)
     logger.info(
         "node %d: ranks %d..%d joining %s", node_rank, specs[0].rank, specs[-1].rank, init_method
     )

@@ -63,7 +63,7 @@ class InputBatch:
         self.row_of[state.req_id] = row
         p = state.sampling_params
         self.temperature[row] = 1.0 if p.is_greedy else p.temperature
-        self.top_k[row] = p.top_k or self.vocab_size
+        self.top_k[row] = min(p.top_k, self.vocab_size) or self.vocab_size  # k > vocab: off
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
         self.repetition_penalty[row] = p.repetition_penalty

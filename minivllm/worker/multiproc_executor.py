@@ -22,7 +22,7 @@ import torch
 from minivllm.config import EngineConfig
 from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from minivllm.worker.local_workers import LocalWorkers, WorkerError
-from minivllm.worker.worker import node_specs
+from minivllm.worker.worker import node_specs, tp_secret
 
 logger = logging.getLogger("minivllm")
 
@@ -34,7 +34,7 @@ class MultiprocExecutor:
         parallel = config.parallel
         init_method = parallel.distributed_init_method or f"tcp://127.0.0.1:{free_port()}"
         threads = max(1, torch.get_num_threads() // parallel.ranks_per_node)
-        specs = node_specs(parallel, 0, init_method, threads)
+        specs = node_specs(parallel, 0, init_method, threads, tp_secret(parallel.nnodes))
         if parallel.nnodes > 1:
             logger.info(
                 "waiting for %d more node(s) to join at %s (`minivllm worker` there)",

@@ -14,13 +14,15 @@ to its parent and exits.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
@@ -49,10 +51,30 @@ class WorkerSpec:
     init_method: str  # tcp://host:port of node 0
     num_threads: int
     log_level: int = logging.WARNING
+    secret: bytes = field(default=b"", repr=False)  # seals the control plane's messages
+
+
+TP_SECRET_ENV = "MINIVLLM_TP_SECRET"
+
+
+def tp_secret(nnodes: int) -> bytes:
+    """The key that seals the control plane: random for one node (its ranks get it over
+    their private socket pairs); with several, every node's `$MINIVLLM_TP_SECRET`."""
+    if nnodes == 1:
+        return secrets.token_bytes(32)
+    shared = os.environ.get(TP_SECRET_ENV, "")
+    if len(shared) < 16:
+        raise ValueError(
+            f"tensor parallelism over several nodes needs the same secret on every node: "
+            f"set {TP_SECRET_ENV} (at least 16 characters, e.g. the output of "
+            "`python -c 'import secrets; print(secrets.token_hex(32))'`) before "
+            "`minivllm serve` and each `minivllm worker` (docs/tensor-parallel.md)"
+        )
+    return hashlib.sha256(shared.encode()).digest()
 
 
 def node_specs(
-    parallel: ParallelConfig, node_rank: int, init_method: str, num_threads: int
+    parallel: ParallelConfig, node_rank: int, init_method: str, num_threads: int, secret: bytes
 ) -> list[WorkerSpec]:
     """The ranks node `node_rank` runs: `ranks_per_node` consecutive ones, local ranks from 0."""
     local = parallel.ranks_per_node
@@ -65,6 +87,7 @@ def node_specs(
             init_method=init_method,
             num_threads=num_threads,
             log_level=logger.getEffectiveLevel(),
+            secret=secret,
         )
         for i in range(local)
     ]
@@ -146,7 +169,7 @@ def run_worker(conn: Connection) -> int:
     _setup_logging(spec)
     try:
         torch.set_num_threads(spec.num_threads)
-        init_tensor_parallel(spec.rank, spec.world_size, spec.init_method)
+        init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, spec.secret)
         config = broadcast_object(config)
         Worker(config, spec).serve(conn)
     except Exception:  # noqa: BLE001 - every failure goes to the parent, with its traceback

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import signal
@@ -18,15 +19,29 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from minivllm import __version__
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.errors import APIError, error_body, error_response
-from minivllm.entrypoints.openai.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from minivllm.entrypoints.openai.limits import ServerLimits
+from minivllm.entrypoints.openai.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    JsonOnlyMiddleware,
+)
+from minivllm.entrypoints.openai.openapi import body_route, install_openapi
+from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    WatermarkDetectRequest,
+)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import ServerState
+from minivllm.entrypoints.openai.serving_scale_out import add_scale_out_routes
 from minivllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from minivllm.entrypoints.openai.serving_watermark import OpenAIServingWatermark
 from minivllm.metrics import EngineMetrics
@@ -50,6 +65,8 @@ class ServerConfig:
     # /metrics repeats each minivllm: series under vLLM's vllm: name
     metrics_vllm_alias: bool = False
     max_request_body_bytes: int = 16 << 20
+    limits: ServerLimits = ServerLimits()
+    # after SIGINT/SIGTERM: requests in flight get this long to finish while new ones get 503
     shutdown_timeout: float = 10.0
     log_level: str = "info"
     access_log: bool = True
@@ -57,8 +74,16 @@ class ServerConfig:
     watermark_enforce: bool = False
     # leave POST /v1/watermark/detect open without the API key
     watermark_public_detection: bool = False
+    # vLLM's scale-out routes: /v1/*/render, /v1/*/derender, /inference/v1/generate
+    enable_scale_out: bool = False
+    # vLLM's gRPC protocol (docs/grpc.md): instead of HTTP on `port` (as `vllm serve
+    # --grpc`), or beside it on `grpc_port` when that is set
+    grpc: bool = False
+    grpc_port: int | None = None
 
     def __post_init__(self) -> None:
+        if self.grpc_port is not None and not (self.grpc and 0 <= self.grpc_port <= 65535):
+            raise ValueError(f"grpc_port needs grpc, and [0, 65535]; got {self.grpc_port}")
         if not self.served_model_names:
             raise ValueError("served_model_names needs at least one name")
         if not 0 <= self.port <= 65535:
@@ -75,17 +100,34 @@ def build_app(state: ServerState, metrics: EngineMetrics, config: ServerConfig) 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.async_llm.start()
-        yield
+        async with contextlib.AsyncExitStack() as beside:
+            if config.grpc_port is not None:  # --grpc --grpc-port: gRPC beside HTTP
+                from minivllm.entrypoints.grpc.server import serve_beside_http
+
+                await beside.enter_async_context(serve_beside_http(state, metrics, config))
+            yield
         await state.async_llm.shutdown()
 
     app = FastAPI(title="minivllm", version=__version__, lifespan=lifespan)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_body_bytes)
+    app.add_middleware(JsonOnlyMiddleware)
     if config.api_key:
         open_paths = _OPEN_PATHS | ({DETECT_PATH} if config.watermark_public_detection else set())
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key, open_paths=open_paths)
     _add_error_handlers(app)
     _add_routes(app, state, metrics, config.metrics_vllm_alias)
+    if config.enable_scale_out:
+        add_scale_out_routes(app, state)
+    install_openapi(app)
     return app
+
+
+def _errors(*statuses: int) -> dict[int | str, Any]:
+    schema = {"$ref": "#/components/schemas/ErrorResponse"}
+    return {
+        s: {"description": f"error {s}", "content": {"application/json": {"schema": schema}}}
+        for s in statuses
+    }
 
 
 def _add_routes(
@@ -96,7 +138,11 @@ def _add_routes(
     tokenization = OpenAIServingTokenization(state)
     watermark = OpenAIServingWatermark(state)
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={200: {"description": "serving (no body)"}, **_errors(503)},
+    )
     async def health() -> Response:
         if state.is_draining or state.async_llm.dead_error is not None:
             return error_response(
@@ -104,16 +150,20 @@ def _add_routes(
             )
         return Response(status_code=200)
 
-    @app.get("/version")
+    @app.get("/version", responses=_errors(401))
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={200: {"content": {"text/plain": {}}}, **_errors(401)},
+    )
     async def prometheus_metrics() -> Response:
         body = metrics.render(vllm_alias=vllm_alias)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401))
     async def models() -> dict[str, Any]:
         root = state.async_llm.engine.config.model.model
         data = [
@@ -130,11 +180,11 @@ def _add_routes(
         ]
         return {"object": "list", "data": data}
 
-    app.add_api_route("/v1/completions", completions.create, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", chat.create, methods=["POST"])
-    app.add_api_route("/tokenize", tokenization.tokenize, methods=["POST"])
-    app.add_api_route("/detokenize", tokenization.detokenize, methods=["POST"])
-    app.add_api_route(DETECT_PATH, watermark.detect, methods=["POST"])
+    body_route(app, "/v1/completions", completions.create, CompletionRequest, streams=True)
+    body_route(app, "/v1/chat/completions", chat.create, ChatCompletionRequest, streams=True)
+    body_route(app, "/tokenize", tokenization.tokenize, TokenizeRequest)
+    body_route(app, "/detokenize", tokenization.detokenize, DetokenizeRequest)
+    body_route(app, DETECT_PATH, watermark.detect, WatermarkDetectRequest)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -167,7 +217,7 @@ class _Server(uvicorn.Server):
         self.state = state
         self.server_config = server_config
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.drain_task: asyncio.Task | None = None
+        self.drain_task: concurrent.futures.Future | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -180,17 +230,22 @@ class _Server(uvicorn.Server):
             )
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        first = not self.should_exit
+        """The first SIGINT/SIGTERM starts the drain and keeps listening (new requests get
+        503, so load balancers see the server leave instead of refused connections); a
+        second one stops at once, as uvicorn does."""
+        if self.drain_task is None and self.loop is not None and not self.should_exit:
+            logger.info(
+                "Received %s: finishing requests in flight (up to %gs; again to stop now)",
+                signal.Signals(sig).name,
+                self.server_config.shutdown_timeout,
+            )
+            self.drain_task = asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
+            return
         super().handle_exit(sig, frame)
-        if first and self.loop is not None:
-            logger.info("Received %s: finishing requests in flight", signal.Signals(sig).name)
-            self.loop.call_soon_threadsafe(self._start_drain)
-
-    def _start_drain(self) -> None:
-        self.drain_task = asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
-        """Refuse new work; let requests in flight finish for `shutdown_timeout`; fail the rest."""
+        """Answer 503 to new work; let requests in flight finish for `shutdown_timeout`;
+        fail the rest; then let uvicorn close."""
         self.state.is_draining = True
         async_llm = self.state.async_llm
         deadline = time.monotonic() + self.server_config.shutdown_timeout
@@ -202,6 +257,7 @@ class _Server(uvicorn.Server):
                 async_llm.num_active_requests,
             )
         await async_llm.shutdown()
+        self.should_exit = True
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -233,7 +289,12 @@ def run_server(
         chat_template=config.chat_template,
         tool_call_parser=config.tool_call_parser,
         watermark_enforce=config.watermark_enforce,
+        limits=config.limits,
     )
+    if config.grpc and config.grpc_port is None:  # as `vllm serve --grpc`: gRPC, no HTTP
+        from minivllm.entrypoints.grpc.server import run_grpc_server
+
+        return run_grpc_server(state, metrics, config, sock)
     app = build_app(state, metrics, config)
     uv_config = uvicorn.Config(
         app,

@@ -29,6 +29,8 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
 }
@@ -131,7 +133,8 @@ def _describe(err: ErrorDetails, model: type[BaseModel]) -> str:
 
 
 def _reason(err: ErrorDetails) -> str:
-    return bounded(str(err.get("msg", "invalid value")), MAX_PART_CHARS)
+    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    return bounded(message, MAX_PART_CHARS)
 
 
 def _clean_loc(loc: tuple[Any, ...]) -> list[Any]:

@@ -13,6 +13,7 @@ from minivllm.entrypoints.openai.errors import APIError, error_response
 # A body declared bigger than this many times the limit is refused without reading it;
 # smaller ones are drained first, so the client can read the 413 instead of a reset.
 _MAX_DRAIN_FACTOR = 4
+_MAX_DRAIN_BYTES = 1 << 20  # a refused body is read this far, then the connection closes
 
 
 class ApiKeyMiddleware:
@@ -34,6 +35,39 @@ class ApiKeyMiddleware:
         reason = "a wrong API key was given" if given else "no API key was given"
         error = APIError(401, f"Unauthorized: {reason}; send 'Authorization: Bearer <key>'")
         await error_response(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+
+
+class JsonOnlyMiddleware:
+    """415 for a POST whose Content-Type is not JSON.
+
+    A web page may send `text/plain`, form or multipart bodies (and bodies of no type)
+    to any server its visitor's browser can reach, without a CORS preflight; only a
+    JSON content type makes the browser ask first. A server started without an API key
+    on a reachable address would otherwise take orders from any page its users open.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or _is_json(scope):
+            await self.app(scope, receive, send)
+            return
+        error = APIError(
+            415, "the request body must be JSON: send 'Content-Type: application/json'"
+        )
+        await _drain(receive, 0, _MAX_DRAIN_BYTES)
+        await error_response(error)(scope, receive, send)
+
+
+def _is_json(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            media_type = value.split(b";", 1)[0].strip().lower()
+            return media_type == b"application/json" or (
+                media_type.startswith(b"application/") and media_type.endswith(b"+json")
+            )
+    return False
 
 
 class BodyLimitMiddleware:

@@ -1,7 +1,13 @@
 """Request bodies of the OpenAI-compatible API, with explicit bounds on every field.
 
 Responses are plain dicts built in the serving modules (OpenAI's field names).
-Unknown fields are ignored, as OpenAI and vLLM do.
+Types are strict (`"stream": "yes"`, `"prompt": [true]` and `"n": "2"` are 400s, not
+coerced). Unknown fields are ignored, as OpenAI and vLLM do, except the ones this
+server knows and does not support (`UNSUPPORTED`): those are refused by name unless
+they carry their no-op value, so a client never gets a silently different answer.
+Limits that depend on the model or the operator (prompt characters, sequences and
+tokens per request, logprob values per response) are checked in the serving code;
+docs/limits.md lists them all.
 """
 
 from __future__ import annotations
@@ -9,17 +15,26 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+)
 
 from minivllm.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1  # tokenizers index with 32-bit ids; a larger id is no token
+MAX_CACHE_SALT_CHARS = 128
 MAX_N = 128
 MAX_PROMPTS = 256
 MAX_STOP = 64
 MAX_TOOLS = 128
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 Prompt = (
     str
     | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
@@ -29,18 +44,68 @@ Prompt = (
 StopStrings = StopString | Annotated[list[StopString], Field(max_length=MAX_STOP)]
 
 
-class StreamOptions(BaseModel):
+class Body(BaseModel):
+    """A request body (or part of one): strict types, unknown fields ignored."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# Fields of OpenAI's or vLLM's requests that this server does not implement, with the
+# values that mean "not used" (None always does). Anything else is refused by name.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "best_of": (1,),
+    "suffix": ("",),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "prompt_logprobs": (),
+    "truncate_prompt_tokens": (),
+    "priority": (0,),
+    "logits_processors": (),
+    "functions": (),
+    "function_call": (),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "kv_transfer_params": (),
+    "mm_processor_kwargs": (),
+}
+
+
+def refuse_unsupported(value: Any, info: ValidationInfo) -> Any:
+    """A field validator for the `UNSUPPORTED` fields: ValueError unless a no-op value."""
+    no_ops = UNSUPPORTED[info.field_name]
+    if value is not None and not any(value == v and type(value) is type(v) for v in no_ops):
+        raise ValueError("not supported by this server; leave it out")
+    return value
+
+
+def check_cache_salt(salt: str | None) -> str | None:
+    """vLLM's rule (GHSA-wpww-v874-ph2p): None, or a non-empty string of at most 128
+    characters without '@', '/', backslash or NUL (separators in cache keys and paths)."""
+    if salt is None:
+        return None
+    if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"must have 1 to {MAX_CACHE_SALT_CHARS} characters")
+    if any(c in salt for c in "@/\\\x00"):
+        raise ValueError("may not contain '@', '/', '\\' or NUL")
+    return salt
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Body):
     name: str = Field("response", max_length=256)
     description: str | None = Field(None, max_length=4096)
     json_schema: dict | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(Body):
     """OpenAI's `response_format`: plain text, any JSON object, or JSON matching a schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -51,10 +116,8 @@ class ResponseFormat(BaseModel):
 GRAMMAR_BACKENDS = ("xgrammar", "auto")
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(Body):
     """Fields completions and chat share: OpenAI's, then vLLM's extras."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, max_length=1024)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -71,15 +134,16 @@ class SamplingRequest(BaseModel):
     )
     user: str | None = Field(None, max_length=256)
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
     stop_token_ids: list[TokenId] | None = Field(None, max_length=1024)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: str | None = None
+    spaces_between_special_tokens: bool = True
     # vLLM v0.30: false opts this request out of the server's watermark
     watermarking: bool | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*
@@ -90,6 +154,33 @@ class SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = Field(None, max_length=64)
+
+    # known but not implemented (`UNSUPPORTED`): refused unless they say "not used"
+    best_of: Any = None
+    suffix: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    prompt_logprobs: Any = None
+    truncate_prompt_tokens: Any = None
+    priority: Any = None
+    logits_processors: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    kv_transfer_params: Any = None
+    mm_processor_kwargs: Any = None
+
+    _refuse_unsupported = field_validator(*UNSUPPORTED)(refuse_unsupported)
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _cache_salt(cls, salt: str | None) -> str | None:
+        return check_cache_salt(salt)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint this request names (ValueError naming the fields when it
@@ -157,6 +248,7 @@ class SamplingRequest(BaseModel):
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=self._logit_bias(),
             watermarking=self.watermarking,
@@ -175,35 +267,44 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     # 0 with echo=true: score the prompt (its logprobs), generate nothing (as vLLM)
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0, le=INT64_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
 
-class TextPart(BaseModel):
+class TextPart(Body):
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(BaseModel):
+class ToolCallFunction(Body):
     name: str = Field(..., max_length=256)
     arguments: str = Field("", max_length=1_000_000)
 
 
-class ToolCall(BaseModel):
+class ToolCall(Body):
     id: str = Field(..., max_length=256)
     type: Literal["function"] = "function"
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)
     tool_call_id: str | None = Field(None, max_length=256)
+
+    @property
+    def num_chars(self) -> int:
+        """Characters of the message's text, tool calls included (the prompt-size bound)."""
+        if isinstance(self.content, list):
+            num = sum(len(part.text) for part in self.content)
+        else:
+            num = len(self.content or "")
+        for call in self.tool_calls or []:
+            num += len(call.function.name) + len(call.function.arguments)
+        return num
 
     def to_template_dict(self) -> dict[str, Any]:
         """String content, as chat templates expect it (text parts joined by newlines);
@@ -236,31 +337,31 @@ def _maybe_json(call: ToolCall) -> Any:
         return call.function.arguments
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(Body):
     name: str = Field(..., pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
     description: str | None = Field(None, max_length=8192)
     parameters: dict | None = None
     strict: bool | None = None
 
 
-class ChatTool(BaseModel):
+class ChatTool(Body):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
+class NamedFunction(Body):
     name: str = Field(..., max_length=64)
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(Body):
     type: Literal["function"] = "function"
     function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=4096)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -273,10 +374,8 @@ class ChatCompletionRequest(SamplingRequest):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     """Either `prompt` (text) or `messages` (a conversation, through the chat template)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, max_length=1024)
     prompt: str | None = None
@@ -285,18 +384,14 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class DetokenizeRequest(Body):
     model: str | None = Field(None, max_length=1024)
     tokens: list[TokenId] = Field(..., max_length=1_000_000)
 
 
-class WatermarkDetectRequest(BaseModel):
+class WatermarkDetectRequest(Body):
     """`POST /v1/watermark/detect`: a completion's `text` (tokenized without special
     tokens) or its `token_ids`, never the prompt."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str | None = Field(None, max_length=1024)
     text: str | None = None

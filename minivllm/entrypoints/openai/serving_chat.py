@@ -33,25 +33,38 @@ from minivllm.entrypoints.openai.serving_engine import (
 )
 from minivllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools, read_calls
 from minivllm.outputs import CompletionOutput, Logprob
+from minivllm.sampling_params import SamplingParams
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def create(self, raw_request: Request) -> Response:
-        request: ChatCompletionRequest = await self.parse(raw_request, ChatCompletionRequest)
-        model = self.check_model(request.model)
+    async def prepare(
+        self, request: ChatCompletionRequest
+    ) -> tuple[ToolPlan, str, list[int], SamplingParams]:
+        """What a chat request runs: its tool plan, the rendered prompt, its token ids and
+        the sampling params (checked against the context and the request limits)."""
         tools = plan_tools(request, self.state.tool_call_parser)
-        prompt_text = self.render(request.messages, request.add_generation_prompt, tools.tools)
-        prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+        prompt_text = await self.render(
+            request.messages, request.add_generation_prompt, tools.tools
+        )
+        prompt_ids = await self.tokenize_text(prompt_text, "messages", add_special_tokens=False)
         max_tokens = self.check_length(len(prompt_ids), request.requested_max_tokens, "messages")
         if request.top_logprobs and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        self.check_request_size([len(prompt_ids)], request.n, max_tokens, top_logprobs)
         params = self.sampling_params(request, max_tokens, top_logprobs)
         if tools.constraint is not None:
             params.structured_outputs = tools.constraint
+        return tools, prompt_text, prompt_ids, params
+
+    async def create(self, raw_request: Request) -> Response:
+        request: ChatCompletionRequest = await self.parse(raw_request, ChatCompletionRequest)
+        model = self.check_model(request.model)
+        tools, prompt_text, prompt_ids, params = await self.prepare(request)
+        top_logprobs = params.logprobs
         request_id = new_request_id("chatcmpl")
         prompt = {"prompt_token_ids": prompt_ids, "prompt": prompt_text}
-        streams = await self.start([prompt], [params], request_id, request.cache_salt)
+        streams = await self.start([prompt], [params], request_id, request.cache_salt, raw_request)
         meta = {"id": request_id, "created": int(time.time()), "model": model}
         if request.stream:
             body = self._stream(request, meta, streams[0], tools)

@@ -65,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create(self, raw_request: Request) -> Response:
         request: CompletionRequest = await self.parse(raw_request, CompletionRequest)
         model = self.check_model(request.model)
-        prompts = self._prompts(request.prompt)
+        prompts = await self._prompts(request.prompt)
         wants_prompt_logprobs = request.echo and request.logprobs is not None
         if request.max_tokens == 0 and not request.echo:
             raise APIError(
@@ -75,6 +75,14 @@ class OpenAIServingCompletion(OpenAIServing):
             )
         # scoring: the engine samples one token, which the response leaves out
         max_tokens = 1 if request.max_tokens == 0 else request.max_tokens
+        lengths = [len(p.token_ids) for p in prompts]
+        self.check_request_size(
+            lengths,
+            request.n,
+            max_tokens or self.state.max_model_len - min(lengths),
+            request.logprobs,
+            wants_prompt_logprobs,
+        )
         params = [
             self.sampling_params(
                 request,
@@ -86,7 +94,9 @@ class OpenAIServingCompletion(OpenAIServing):
         ]
         engine_prompts = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
         request_id = new_request_id("cmpl")
-        streams = await self.start(engine_prompts, params, request_id, request.cache_salt)
+        streams = await self.start(
+            engine_prompts, params, request_id, request.cache_salt, raw_request
+        )
         meta = {
             "id": request_id,
             "object": "text_completion",
@@ -105,17 +115,19 @@ class OpenAIServingCompletion(OpenAIServing):
             close_all(streams)
         return JSONResponse(self._response(request, meta, prompts, outputs))
 
-    def _prompts(self, prompt: str | list[Any]) -> list[_Prompt]:
+    async def _prompts(self, prompt: str | list[Any]) -> list[_Prompt]:
         items = [prompt] if isinstance(prompt, str) or _is_token_ids(prompt) else list(prompt)
         prompts = []
         for item in items:
             if isinstance(item, str):
                 if not item:
                     raise APIError(400, "prompt is empty", "prompt")
-                prompts.append(_Prompt(item, list(self.tokenizer(item).input_ids)))
+                prompts.append(_Prompt(item, await self.tokenize_text(item, "prompt")))
             else:
                 if not item:
                     raise APIError(400, "prompt is an empty list of token ids", "prompt")
+                self.check_length(len(item), None, "prompt")  # before decoding it
+                self.check_token_ids(item, "prompt")
                 prompts.append(_Prompt(self.tokenizer.decode(item), list(item)))
         return prompts
 

@@ -23,6 +23,7 @@ from minivllm.entrypoints.openai.errors import (
     from_validation_error,
     from_value_error,
 )
+from minivllm.entrypoints.openai.limits import ServerLimits
 from minivllm.entrypoints.openai.protocol import ChatMessage, SamplingRequest
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -43,12 +44,17 @@ class ServerState:
     tool_call_parser: str | None = None
     # refuse requests that opt out of the watermark (`--watermark-enforce`)
     watermark_enforce: bool = False
+    limits: ServerLimits = field(default_factory=ServerLimits)
     is_draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.limits.prompt_chars(self.max_model_len)
 
 
 class OpenAIServing:
@@ -64,13 +70,24 @@ class OpenAIServing:
         except ValidationError as exc:
             raise from_validation_error(exc, model) from None
 
-    def render(
+    async def render(
         self,
         messages: list[ChatMessage],
         add_generation_prompt: bool,
         tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The conversation as prompt text, through `--chat-template` or the tokenizer's template."""
+        """The conversation as prompt text, through `--chat-template` or the tokenizer's
+        template; off the event loop, after the character bound."""
+        num_chars = sum(m.num_chars for m in messages)
+        self.check_chars(num_chars, "messages")
+        return await asyncio.to_thread(self._render, messages, add_generation_prompt, tools)
+
+    def _render(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+    ) -> str:
         template = self.state.chat_template
         if template is None and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
@@ -91,6 +108,74 @@ class OpenAIServing:
             raise APIError(
                 400, f"the chat template failed on these messages: {bounded(str(exc))}", "messages"
             ) from None
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        limit = self.state.max_prompt_chars
+        if num_chars > limit:
+            raise APIError(
+                400,
+                f"the prompt has {num_chars} characters, more than this server's limit of "
+                f"{limit} (it cannot fit {self.state.max_model_len} tokens of context); "
+                "shorten it (the operator sets the limit with --max-prompt-chars)",
+                param,
+            )
+
+    async def tokenize_text(
+        self, text: str, param: str, add_special_tokens: bool = True
+    ) -> list[int]:
+        """Token ids of `text`, tokenized off the event loop once the character bound holds
+        (a 15 MB prompt once blocked the whole server, /health too, for ~25 s)."""
+        self.check_chars(len(text), param)
+        return await asyncio.to_thread(
+            lambda: list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        )
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """400 for an id outside the vocabulary, before anything decodes it."""
+        vocab_size = len(self.tokenizer)
+        bad = next((t for t in token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of vocabulary (0..{vocab_size - 1})", param)
+
+    def check_request_size(
+        self,
+        prompt_lengths: list[int],
+        n: int,
+        max_tokens: int,
+        logprobs: int | None,
+        echo_logprobs: bool = False,
+    ) -> None:
+        """The request's sequences, tokens and logprob values against `ServerLimits`."""
+        limits = self.state.limits
+        num_seqs = len(prompt_lengths) * n
+        if num_seqs > limits.max_sequences_per_request:
+            raise APIError(
+                400,
+                f"this request starts {num_seqs} sequences ({len(prompt_lengths)} prompts x "
+                f"n={n}), more than this server's limit of {limits.max_sequences_per_request} "
+                "(--max-sequences-per-request); split it",
+                "n",
+            )
+        if num_seqs * max_tokens > limits.max_tokens_per_request:
+            raise APIError(
+                400,
+                f"this request may generate {num_seqs * max_tokens} tokens ({num_seqs} "
+                f"sequences x max_tokens={max_tokens}), more than this server's limit of "
+                f"{limits.max_tokens_per_request} (--max-tokens-per-request); lower max_tokens "
+                "or n, or split it",
+                "max_tokens",
+            )
+        if logprobs is not None:
+            per_seq = [max_tokens + (length if echo_logprobs else 0) for length in prompt_lengths]
+            values = n * sum(per_seq) * (1 + logprobs)
+            if values > limits.max_logprobs_per_request:
+                raise APIError(
+                    400,
+                    f"this response would carry {values} log-probabilities, more than this "
+                    f"server's limit of {limits.max_logprobs_per_request} "
+                    "(--max-logprobs-per-request); ask for fewer logprobs, tokens or sequences",
+                    "logprobs",
+                )
 
     def check_model(self, name: str | None) -> str:
         """The served name to report; 404 for a name this server does not serve."""
@@ -150,14 +235,23 @@ class OpenAIServing:
         params: list[SamplingParams],
         request_id: str,
         cache_salt: str | None,
+        raw_request: Request | None = None,
     ) -> list[RequestStream]:
-        """Queue one engine request per prompt; if any is refused, abort the ones already queued."""
+        """Queue one engine request per prompt; if any is refused, abort the ones already queued.
+
+        429 when the engine's queue cannot take the request's sequences; the sender (the
+        peer address) is the engine's client, among which admission is shared fairly."""
         self.check_available()
+        self.check_queue(sum(p.n for p in params))
+        client = raw_request.client if raw_request is not None else None
+        client_id = client.host if client is not None else None
         streams: list[RequestStream] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.state.async_llm.add_request(prompt, p, rid, cache_salt))
+                streams.append(
+                    await self.state.async_llm.add_request(prompt, p, rid, cache_salt, client_id)
+                )
         except (ValueError, TypeError) as exc:
             close_all(streams)
             raise from_value_error(exc) from None
@@ -165,6 +259,16 @@ class OpenAIServing:
             close_all(streams)
             raise APIError(503, str(exc)) from None
         return streams
+
+    def check_queue(self, num_sequences: int) -> None:
+        limit = self.state.limits.max_waiting_sequences
+        waiting = self.state.async_llm.engine.stats().num_waiting
+        if waiting + num_sequences > limit:
+            raise APIError(
+                429,
+                f"the server is busy: {waiting} sequences wait for the engine and this request "
+                f"adds {num_sequences} (limit {limit}, --max-waiting-seqs); retry later",
+            )
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

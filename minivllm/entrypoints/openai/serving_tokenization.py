@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from starlette.requests import Request
@@ -20,21 +21,14 @@ class OpenAIServingTokenization(OpenAIServing):
         if (request.prompt is None) == (request.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", "prompt")
         if request.messages is not None:
-            text = self.render(request.messages, request.add_generation_prompt)
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            text = await self.render(request.messages, request.add_generation_prompt)
+            ids = await self.tokenize_text(text, "messages", add_special_tokens=False)
         else:
-            ids = self.tokenizer(
-                request.prompt, add_special_tokens=request.add_special_tokens
-            ).input_ids
-        return {"count": len(ids), "max_model_len": self.state.max_model_len, "tokens": list(ids)}
+            ids = await self.tokenize_text(request.prompt, "prompt", request.add_special_tokens)
+        return {"count": len(ids), "max_model_len": self.state.max_model_len, "tokens": ids}
 
     async def detokenize(self, raw_request: Request) -> dict[str, Any]:
         request: DetokenizeRequest = await self.parse(raw_request, DetokenizeRequest)
         self.check_model(request.model)
-        vocab_size = len(self.tokenizer)
-        bad = next((t for t in request.tokens if t >= vocab_size), None)
-        if bad is not None:
-            raise APIError(
-                400, f"token id {bad} is out of vocabulary (0..{vocab_size - 1})", "tokens"
-            )
-        return {"prompt": self.tokenizer.decode(request.tokens)}
+        self.check_token_ids(request.tokens, "tokens")
+        return {"prompt": await asyncio.to_thread(self.tokenizer.decode, request.tokens)}

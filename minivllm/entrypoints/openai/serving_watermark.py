@@ -29,17 +29,10 @@ class OpenAIServingWatermark(OpenAIServing):
         if (request.text is None) == (request.token_ids is None):
             raise APIError(400, "give exactly one of text or token_ids", "text")
         if request.text is not None:
-            ids = await asyncio.to_thread(
-                lambda: list(self.tokenizer(request.text, add_special_tokens=False).input_ids)
-            )
+            ids = await self.tokenize_text(request.text, "text", add_special_tokens=False)
         else:
             ids = request.token_ids
-            vocab = len(self.tokenizer)
-            bad = next((t for t in ids if t >= vocab), None)
-            if bad is not None:
-                raise APIError(
-                    400, f"token id {bad} is out of vocabulary (0..{vocab - 1})", "token_ids"
-                )
+            self.check_token_ids(ids, "token_ids")
         result = await asyncio.to_thread(
             detect, ids, config, request.p_value_threshold, True, request.alpha, MAX_SCORED_TOKENS
         )
