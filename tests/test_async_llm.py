@@ -239,3 +239,39 @@ def test_engine_is_built_and_stepped_on_one_thread(
     asyncio.run(main())
     assert len(threads["build"]) == 1 and threads["build"] == threads["step"]
     assert threading.get_ident() not in threads["build"]
+
+
+def test_request_ids_cannot_collide_with_another_request_s_children(engine: Any) -> None:
+    """`x` with n=2 has children `0_x` and `1_x`; a request named `0_x` would share the
+    scheduler's entry (a KeyError in every later step, once)."""
+    from minivllm import SamplingParams
+
+    engine.add_request("x", {"prompt_token_ids": [5, 6]}, SamplingParams(n=2, max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("0_x", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
+    engine.add_request("y", {"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("y", {"prompt_token_ids": [7]}, SamplingParams(n=2, max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_a_scheduler_failure_stops_the_engine(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failure inside the scheduler is no request's fault and leaves its state unknown:
+    the engine stops (health turns 503) instead of failing request after request."""
+    from minivllm import SamplingParams
+    from minivllm.engine.async_llm import EngineDeadError
+
+    def broken_schedule() -> Any:
+        raise KeyError("corrupt scheduler state")
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def body(async_llm: Any) -> None:
+        monkeypatch.setattr(engine.scheduler, "schedule", broken_schedule)
+        with pytest.raises(EngineDeadError):
+            async for _ in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "a"):
+                pass
+        assert async_llm.dead_error is not None
+
+    _run_async_llm(engine, body)

@@ -39,6 +39,8 @@ from tests.server_utils import RemoteServer, tiny_server_args
 API_KEY = "sk-fuzz"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_ERROR_BODY_BYTES = 2048  # docs/limits.md: an error body stays under ~1.3 KB
+# --max-tokens-per-request 2048 below: a few tokens' text each, plus logprobs
+MAX_BODY_BYTES = 8 << 20
 # CI's depth; tools/fuzz_server.py sets MINIVLLM_FUZZ_EXAMPLES for a deeper run
 EXAMPLES_PER_ROUTE = int(os.environ.get("MINIVLLM_FUZZ_EXAMPLES", "12"))
 MODEL_EXAMPLES = 12 * EXAMPLES_PER_ROUTE
@@ -91,6 +93,7 @@ def test_server_answers_every_generated_request_within_its_document(case: Any) -
     case.validate_response(response, checks=CHECKS)
     if response.status_code >= 400:
         assert len(response.content) <= MAX_ERROR_BODY_BYTES, response.content[:300]
+    assert len(response.content) <= MAX_BODY_BYTES
 
 
 JSON = st.recursive(

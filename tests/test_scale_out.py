@@ -169,6 +169,17 @@ def test_completion_round_trip_equals_completion(
     assert derendered["usage"] == direct.usage.model_dump(exclude_none=True)
 
 
+def test_logit_bias_round_trip(server: RemoteServer, client: openai.OpenAI, tokenizer: Any) -> None:
+    """Render writes logit_bias with string keys (JSON); generate takes it as it is, and
+    answers what the ordinary route answers."""
+    request = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0.0}
+    direct = client.completions.create(**request, logit_bias={"42": 100})
+    (rendered,) = ok(server, "/v1/completions/render", {**request, "logit_bias": {"42": 100}})
+    answer = generate(server, rendered)
+    assert answer["choices"][0]["token_ids"] == [42] * 6
+    assert direct.choices[0].text == tokenizer.decode([42] * 6)
+
+
 def test_stop_string_round_trip(server: RemoteServer, client: openai.OpenAI) -> None:
     """A stop string ends generation and is cut from the derendered text, as in /v1/completions."""
     full = client.completions.create(

@@ -161,3 +161,20 @@ def test_after_a_failed_step_requests_run_alone_until_each_passes():
         assert list(_step(s).num_scheduled_tokens) == [name]
     assert not s.isolating
     assert set(_step(s).num_scheduled_tokens) == {"a", "b", "c", "d"}  # batched again
+
+
+def test_isolation_never_stalls_when_blocks_are_short():
+    """An isolated request that cannot get blocks takes them back from the requests that
+    already passed (preempting them), instead of leaving every step empty."""
+    s = _scheduler(num_blocks=9, budget=32)
+    _add(s, "a", 20, max_tokens=8)
+    _add(s, "b", 20, max_tokens=8)
+    out = s.schedule()  # this step "raises"
+    s.recover_from_failed_step(list(out.num_scheduled_tokens))
+    finished = set()
+    for _ in range(40):
+        _step(s)
+        finished = {"a", "b"} - set(s.requests)
+        if finished == {"a", "b"}:
+            break
+    assert finished == {"a", "b"} and not s.isolating

@@ -5,6 +5,7 @@ One server with small operator limits; the last test drains it with SIGTERM.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import threading
@@ -178,7 +179,24 @@ def test_a_full_queue_answers_429(server: RemoteServer) -> None:
         refused = complete(server, n=2, max_tokens=2)
         assert_error(refused, 429, "--max-waiting-seqs")
         assert refused.json()["error"]["type"] == "rate_limit_error"
+        # concurrent requests cannot all slip through: 3 wait, so of six n=1 requests
+        # one fits under the limit of 4 and five are refused
+        codes = asyncio.run(_concurrently(server, 6, n=1, max_tokens=2))
+        assert sorted(codes) == [200] + [429] * 5
     assert complete(server, n=2, max_tokens=2).status_code == 200
+
+
+async def _concurrently(server: RemoteServer, count: int, **fields: Any) -> list[int]:
+    body = {"model": MODEL, "prompt": "hello", **fields}
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(timeout=120) as http:
+        responses = await asyncio.gather(
+            *(
+                http.post(server.url + "/v1/completions", json=body, headers=headers)
+                for _ in range(count)
+            )
+        )
+    return [r.status_code for r in responses]
 
 
 def test_sigterm_drain_answers_503_while_requests_in_flight_finish(server: RemoteServer) -> None:

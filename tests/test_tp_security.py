@@ -29,16 +29,19 @@ RANK = textwrap.dedent(
         probe = socket.socket()
         probe.settimeout(5)
         print("other-address:", probe.connect_ex(("127.0.0.2", port)), flush=True)
-        print("named-address:", socket.create_connection(("127.0.0.1", port)) is not None)
+        probe.close()
+        reached = socket.create_connection(("127.0.0.1", port)) is not None
+        print("named-address:", reached, flush=True)
         ps.broadcast_object({"step": 1})
         ps.broadcast_object(Payload())
     else:
         print("first:", ps.broadcast_object(None), flush=True)
         try:
             ps.broadcast_object(None)
-            print("second: unpickled")
+            print("second: unpickled", flush=True)
         except ps.ControlPlaneError as exc:
-            print("second: refused:", exc)
+            print("second: refused:", exc, flush=True)
+    ps.destroy_tensor_parallel()
     """
 )
 

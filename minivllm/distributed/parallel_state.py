@@ -11,7 +11,8 @@ With one process (the default) every collective is the identity. A TP rank
 Trust boundary (docs/tensor-parallel.md): the rendezvous store listens only on
 the address the init method names (torch's own binds every interface), and on
 loopback gloo's pairs do too. Every object sent over the control group is a
-pickle sealed with an HMAC of the group's shared secret and a sequence number;
+pickle sealed with an HMAC of the group's shared secret, a nonce of the run (every rank adds to it) and a
+sequence number;
 a rank checks the seal before it unpickles anything, so a stranger who reaches a
 port (or hijacks the rendezvous) cannot make a rank run code, nor replay a call.
 """
@@ -35,6 +36,8 @@ import torch.distributed as dist
 _NO_DEADLINE = timedelta(days=3650)
 _RENDEZVOUS_TIMEOUT = timedelta(minutes=30)  # how long ranks may take to join
 _MAC_BYTES = 32
+_NONCE_BYTES = 16
+_MAX_CONTROL_BYTES = 1 << 30  # a driver's call or the engine config is far smaller
 
 
 class ControlPlaneError(RuntimeError):
@@ -49,7 +52,7 @@ class _TensorParallelState:
     device_group: Any = None
     secret: bytes = b""
     sequence: int = 0  # control messages sent (rank 0) or received (others)
-    listener: socket.socket | None = None  # rank 0: the rendezvous store's socket
+    nonce: bytes = b""  # this run's, from every rank
 
 
 _tp = _TensorParallelState()
@@ -70,19 +73,20 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, secret: bytes) 
     host, port = url.hostname, url.port
     if _is_loopback(host):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pairs: loopback only
-    # the store serves on this socket's descriptor (not a duplicate): keep it open
-    _tp.listener = _listen(host, port) if rank == 0 else None
+    # the store takes the descriptor over (it closes it with the process group)
+    listen_fd = _listen(host, port).detach() if rank == 0 else None
     store = dist.TCPStore(
-        host,
-        port,
-        size,
-        rank == 0,
-        _RENDEZVOUS_TIMEOUT,
-        master_listen_fd=_tp.listener.fileno() if _tp.listener is not None else None,
+        host, port, size, rank == 0, _RENDEZVOUS_TIMEOUT, master_listen_fd=listen_fd
     )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=_NO_DEADLINE)
     _tp.rank, _tp.size, _tp.cpu_group = rank, size, dist.group.WORLD
     _tp.secret, _tp.sequence = secret, 0
+    # every rank adds random bytes to this run's nonce, which every seal covers: no
+    # rank (nor a hijacked rendezvous) can make a frame of an earlier run valid again
+    mine = torch.frombuffer(bytearray(os.urandom(_NONCE_BYTES)), dtype=torch.uint8)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(parts, mine, group=_tp.cpu_group)
+    _tp.nonce = b"".join(p.numpy().tobytes() for p in parts)
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -106,10 +110,7 @@ def destroy_tensor_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _tp.rank, _tp.size, _tp.cpu_group, _tp.device_group = 0, 1, None, None
-    _tp.secret, _tp.sequence = b"", 0
-    if _tp.listener is not None:
-        _tp.listener.close()
-        _tp.listener = None
+    _tp.secret, _tp.sequence, _tp.nonce = b"", 0, b""
 
 
 def get_tp_rank() -> int:
@@ -151,17 +152,18 @@ def broadcast_object(obj: Any) -> Any:
     group's secret; a receiver unpickles only what it has checked."""
     if _tp.size == 1:
         return obj
-    _tp.sequence += 1
     if _tp.rank == 0:
         payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        _tp.sequence += 1
         frame = _seal(_tp.sequence, payload) + payload
         length = torch.tensor([len(frame)], dtype=torch.int64)
         dist.broadcast(length, src=0, group=_tp.cpu_group)
         dist.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8), 0, _tp.cpu_group)
         return obj
+    _tp.sequence += 1
     length = torch.zeros(1, dtype=torch.int64)
     dist.broadcast(length, src=0, group=_tp.cpu_group)
-    if not _MAC_BYTES <= int(length.item()) <= 1 << 34:
+    if not _MAC_BYTES <= int(length.item()) <= _MAX_CONTROL_BYTES:
         raise ControlPlaneError(f"a control message of {int(length.item())} bytes")
     frame_tensor = torch.empty(int(length.item()), dtype=torch.uint8)
     dist.broadcast(frame_tensor, src=0, group=_tp.cpu_group)
@@ -176,7 +178,7 @@ def broadcast_object(obj: Any) -> Any:
 
 
 def _seal(sequence: int, payload: bytes) -> bytes:
-    mac = hmac.new(_tp.secret, sequence.to_bytes(8, "little"), hashlib.sha256)
+    mac = hmac.new(_tp.secret, _tp.nonce + sequence.to_bytes(8, "little"), hashlib.sha256)
     mac.update(payload)
     return mac.digest()
 

@@ -36,6 +36,16 @@ class EngineDeadError(RuntimeError):
     """The engine failed in a way it cannot recover from, or it is shutting down."""
 
 
+class QueueFullError(RuntimeError):
+    """The engine's queue cannot take the request's sequences now (`max_waiting`)."""
+
+    def __init__(self, num_waiting: int, num_new: int, limit: int) -> None:
+        super().__init__(
+            f"the server is busy: {num_waiting} sequences wait for the engine and this request "
+            f"adds {num_new} (limit {limit}); retry later"
+        )
+
+
 class EngineStepError(RuntimeError):
     """A step raised; the requests in it were aborted, and the engine keeps serving others."""
 
@@ -141,8 +151,12 @@ class AsyncLLM:
         request_id: str,
         cache_salt: str | None = None,
         client_id: str | None = None,
+        max_waiting: int | None = None,
     ) -> RequestStream:
         """Queue a request now and return its output stream.
+
+        With `max_waiting`, `QueueFullError` when the queue would then hold more waiting
+        sequences (checked under the engine lock, so concurrent requests cannot all pass).
 
         Raises ValueError/TypeError (bad input) or `EngineDeadError` here, before
         any output. The caller must `close()` the stream when done with it:
@@ -155,6 +169,9 @@ class AsyncLLM:
         async with self._lock:
             if self.dead_error is not None:
                 raise self.dead_error
+            waiting = self.engine.stats().num_waiting
+            if max_waiting is not None and waiting + params.n > max_waiting:
+                raise QueueFullError(waiting, params.n, max_waiting)
             self.engine.add_request(
                 request_id,
                 prompt,
@@ -320,4 +337,6 @@ class AsyncLLM:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         self.dead_error = self.dead_error or EngineDeadError(message)
         self._executor.shutdown(wait=True)
-        self.engine.shutdown()
+        # off the loop: stopping tensor-parallel ranks may take seconds, during which the
+        # server still answers (503)
+        await asyncio.to_thread(self.engine.shutdown)

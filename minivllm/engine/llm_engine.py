@@ -46,7 +46,8 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self._stepping: list[str] = []  # the request ids of the step in progress
+        # the request ids of the step in progress; None while the scheduler runs
+        self._stepping: list[str] | None = []
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.startup_seconds = time.perf_counter() - start
@@ -100,7 +101,13 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if self.output_processor.has_request(request_id):
+        child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        taken = [
+            rid
+            for rid in {request_id, *child_ids}
+            if self.output_processor.has_request(rid) or rid in self.scheduler.requests
+        ]
+        if taken:  # "0_x" of a request "x" with n=2 would share the scheduler's entry
             raise ValueError(f"request id {request_id!r} is already in use")
         if params.structured_outputs is not None and self.config.speculative_config is not None:
             # the verifier would need each draft position's grammar state; not built yet
@@ -114,7 +121,6 @@ class LLMEngine:
             request_id, text, token_ids, params, output_kind, RequestMetrics(arrival)
         )
         child_params = [self._child_params(params, i) for i in range(params.n)]
-        child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
         self.output_processor.add_request(parent, child_ids, child_params)
         eos = self.config.model.eos_token_ids
         for child_id, child in zip(child_ids, child_params):
@@ -145,7 +151,7 @@ class LLMEngine:
         return outputs
 
     def step(self) -> list[RequestOutput]:
-        self._stepping = []
+        self._stepping = None  # until the scheduler has answered: a failure there is fatal
         scheduler_output = self.scheduler.schedule()
         self._stepping = list(scheduler_output.num_scheduled_tokens)
         runner_output = self.executor.execute(scheduler_output)
@@ -158,9 +164,12 @@ class LLMEngine:
         """After `step` raised: the requests to fail. When the step ran one request alone,
         that request; when it ran several, none: every running request is recomputed and
         the step's requests run one at a time, so a repeat of the failure names its
-        request (`Scheduler.recover_from_failed_step`). When the step failed before it
-        scheduled anything, all of them (nothing else would end the failures)."""
+        request (`Scheduler.recover_from_failed_step`). A failure inside the scheduler
+        is no request's: it raises (the caller stops the engine). A step that failed
+        with nothing scheduled (no step of ours ran): all of them."""
         stepping, self._stepping = self._stepping, []
+        if stepping is None:
+            raise RuntimeError("the scheduler failed: the engine's state is unknown")
         if not stepping:
             return list(self.output_processor.parents)
         if len(stepping) == 1:

@@ -63,7 +63,24 @@ class Scheduler:
         return self._schedule()
 
     def _schedule_alone(self, request: Request) -> SchedulerOutput:
-        """A step with only `request` in it; the others keep their places and their blocks."""
+        """A step with only `request` in it. When it cannot get blocks, the requests that
+        already passed give theirs back (preempted); when it still cannot, isolation ends
+        rather than stalling the engine."""
+        output = self._schedule_only(request)
+        if output.num_scheduled_tokens:
+            return output
+        self.removed_req_ids |= output.removed_req_ids  # the empty step is not sent
+        for other in reversed([r for r in self.running if r is not request]):
+            self.running.remove(other)
+            self._preempt(other)
+        output = self._schedule_only(request)
+        if output.num_scheduled_tokens:
+            return output
+        self.removed_req_ids |= output.removed_req_ids
+        self.isolating.clear()
+        return self._schedule()
+
+    def _schedule_only(self, request: Request) -> SchedulerOutput:
         others_running = [r for r in self.running if r is not request]
         others_waiting = [r for r in self.waiting if r is not request]
         self.running = [request] if request.status == RequestStatus.RUNNING else []

@@ -30,7 +30,14 @@ from minivllm.entrypoints.openai.middleware import (
     BodyLimitMiddleware,
     JsonOnlyMiddleware,
 )
-from minivllm.entrypoints.openai.openapi import body_route, install_openapi
+from minivllm.entrypoints.openai.openapi import (
+    CHAT_COMPLETION,
+    COMPLETION,
+    DETOKENIZE,
+    TOKENIZE,
+    body_route,
+    install_openapi,
+)
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -180,10 +187,12 @@ def _add_routes(
         ]
         return {"object": "list", "data": data}
 
-    body_route(app, "/v1/completions", completions.create, CompletionRequest, streams=True)
-    body_route(app, "/v1/chat/completions", chat.create, ChatCompletionRequest, streams=True)
-    body_route(app, "/tokenize", tokenization.tokenize, TokenizeRequest)
-    body_route(app, "/detokenize", tokenization.detokenize, DetokenizeRequest)
+    body_route(app, "/v1/completions", completions.create, CompletionRequest, True, COMPLETION)
+    body_route(
+        app, "/v1/chat/completions", chat.create, ChatCompletionRequest, True, CHAT_COMPLETION
+    )
+    body_route(app, "/tokenize", tokenization.tokenize, TokenizeRequest, answer=TOKENIZE)
+    body_route(app, "/detokenize", tokenization.detokenize, DetokenizeRequest, answer=DETOKENIZE)
     body_route(app, DETECT_PATH, watermark.detect, WatermarkDetectRequest)
 
 
@@ -249,15 +258,19 @@ class _Server(uvicorn.Server):
         self.state.is_draining = True
         async_llm = self.state.async_llm
         deadline = time.monotonic() + self.server_config.shutdown_timeout
-        while async_llm.num_active_requests and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if async_llm.num_active_requests:
-            logger.warning(
-                "shutdown timeout: failing %d request(s) still in flight",
-                async_llm.num_active_requests,
-            )
-        await async_llm.shutdown()
-        self.should_exit = True
+        try:
+            while async_llm.num_active_requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if async_llm.num_active_requests:
+                logger.warning(
+                    "shutdown timeout: failing %d request(s) still in flight",
+                    async_llm.num_active_requests,
+                )
+            await async_llm.shutdown()
+        except Exception:
+            logger.exception("the drain failed; stopping now")
+        finally:
+            self.should_exit = True
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 # tokens average ~4 characters in text and rarely 16 even in whitespace-heavy code.
 CHARS_PER_TOKEN_BOUND = 32
 MIN_PROMPT_CHARS = 65536
+MIN_LOGPROBS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,9 @@ class ServerLimits:
     # tokens one request may generate in all: prompts x n x max_tokens
     max_tokens_per_request: int = 1 << 20
     # log-probability values one response may carry: (echoed prompt tokens + max_tokens)
-    # x (1 + logprobs) over every sequence; ~40 bytes of JSON each
-    max_logprobs_per_request: int = 1 << 17
+    # x (1 + logprobs) over every sequence; ~40-70 bytes of JSON each. None: enough for
+    # one sequence filling the context with 20 top logprobs, at least MIN_LOGPROBS
+    max_logprobs_per_request: int | None = None
     # sequences waiting for the engine across all clients; a request that would exceed
     # it gets 429 (retry later) instead of queueing behind minutes of work
     max_waiting_sequences: int = 1024
@@ -39,6 +41,11 @@ class ServerLimits:
             value = getattr(self, f.name)
             if value is not None and (isinstance(value, bool) or value < 1):
                 raise ValueError(f"{f.name} must be >= 1, got {value!r}")
+
+    def logprobs_per_request(self, max_model_len: int) -> int:
+        if self.max_logprobs_per_request is not None:
+            return self.max_logprobs_per_request
+        return max(21 * max_model_len, MIN_LOGPROBS)
 
     def prompt_chars(self, max_model_len: int) -> int:
         if self.max_prompt_chars is not None:
@@ -76,9 +83,10 @@ def add_limit_args(parser: argparse.ArgumentParser) -> None:
         "--max-logprobs-per-request",
         metavar="N",
         type=int,
-        default=default.max_logprobs_per_request,
-        help="log-probabilities one response may carry, echoed prompts included "
-        "(default: %(default)s)",
+        default=None,
+        help="log-probabilities one response may carry, echoed prompts included (default: "
+        f"21 x max-model-len, one full-context sequence with 20 top logprobs; at least "
+        f"{MIN_LOGPROBS})",
     )
     group.add_argument(
         "--max-waiting-seqs",

@@ -32,6 +32,55 @@ _DESCRIPTIONS = {
 }
 
 
+def _object(required: dict[str, Any], **more: Any) -> dict[str, Any]:
+    return {"type": "object", "required": list(required), "properties": required, **more}
+
+
+_USAGE = _object(
+    {
+        "prompt_tokens": {"type": "integer", "minimum": 0},
+        "completion_tokens": {"type": "integer", "minimum": 0},
+        "total_tokens": {"type": "integer", "minimum": 0},
+    }
+)
+_CHOICES = {"type": "array", "maxItems": 256 * 128}
+# what 200 answers hold, for the routes clients parse (others: a JSON object)
+COMPLETION = _object(
+    {
+        "id": {"type": "string"},
+        "object": {"const": "text_completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {
+            **_CHOICES,
+            "items": _object({"index": {"type": "integer"}, "text": {"type": "string"}}),
+        },
+        "usage": _USAGE,
+    }
+)
+CHAT_COMPLETION = _object(
+    {
+        "id": {"type": "string"},
+        "object": {"const": "chat.completion"},
+        "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {
+            **_CHOICES,
+            "items": _object({"index": {"type": "integer"}, "message": {"type": "object"}}),
+        },
+        "usage": _USAGE,
+    }
+)
+TOKENIZE = _object(
+    {
+        "count": {"type": "integer", "minimum": 0},
+        "max_model_len": {"type": "integer", "minimum": 1},
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    }
+)
+DETOKENIZE = _object({"prompt": {"type": "string"}})
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str

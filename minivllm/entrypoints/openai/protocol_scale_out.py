@@ -121,7 +121,8 @@ class GenerateSamplingParams(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+    # JSON object keys are strings: token ids as "5", as render writes them
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
         None, max_length=1024
     )
     watermarking: bool | None = None
@@ -163,7 +164,9 @@ class GenerateSamplingParams(_Body):
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
             include_stop_str_in_output=params.include_stop_str_in_output,
-            logit_bias=params.logit_bias,
+            logit_bias=None
+            if params.logit_bias is None
+            else {str(k): v for k, v in params.logit_bias.items()},
             watermarking=params.watermarking,
             structured_outputs=None
             if so is None

@@ -171,11 +171,21 @@ class OpenAIServingDerender(OpenAIServing):
         """Before anything is decoded, the bounds the request models cannot know: each
         choice within the context and the vocabulary, logprobs matching their tokens,
         and no more tokens in all than one request may generate here."""
-        num_tokens = 0
+        num_tokens = num_logprobs = 0
         for param, gen in gens.items():
             for i, choice in enumerate(gen.choices):
                 num_tokens += len(choice.token_ids or [])
+                content = choice.logprobs.content if choice.logprobs else None
+                num_logprobs += sum(1 + len(entry.top_logprobs) for entry in content or [])
                 self._check_choice(choice, f"{param}.choices[{i}]", param)
+        logprob_limit = self.state.limits.logprobs_per_request(self.state.max_model_len)
+        if num_logprobs > logprob_limit:
+            raise APIError(
+                400,
+                f"these answers hold {num_logprobs} log-probabilities, more than this "
+                f"server's limit of {logprob_limit} (--max-logprobs-per-request)",
+                next(iter(gens)),
+            )
         limit = self.state.limits.max_tokens_per_request
         if num_tokens > limit:
             raise APIError(

@@ -15,7 +15,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineStepError, RequestStream
+from minivllm.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+    RequestStream,
+)
 from minivllm.entrypoints.openai.errors import (
     APIError,
     bounded,
@@ -168,11 +174,12 @@ class OpenAIServing:
         if logprobs is not None:
             per_seq = [max_tokens + (length if echo_logprobs else 0) for length in prompt_lengths]
             values = n * sum(per_seq) * (1 + logprobs)
-            if values > limits.max_logprobs_per_request:
+            limit = limits.logprobs_per_request(self.state.max_model_len)
+            if values > limit:
                 raise APIError(
                     400,
                     f"this response would carry {values} log-probabilities, more than this "
-                    f"server's limit of {limits.max_logprobs_per_request} "
+                    f"server's limit of {limit} "
                     "(--max-logprobs-per-request); ask for fewer logprobs, tokens or sequences",
                     "logprobs",
                 )
@@ -242,7 +249,7 @@ class OpenAIServing:
         429 when the engine's queue cannot take the request's sequences; the sender (the
         peer address) is the engine's client, among which admission is shared fairly."""
         self.check_available()
-        self.check_queue(sum(p.n for p in params))
+        limit = self.state.limits.max_waiting_sequences
         client = raw_request.client if raw_request is not None else None
         client_id = client.host if client is not None else None
         streams: list[RequestStream] = []
@@ -250,8 +257,13 @@ class OpenAIServing:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
-                    await self.state.async_llm.add_request(prompt, p, rid, cache_salt, client_id)
+                    await self.state.async_llm.add_request(
+                        prompt, p, rid, cache_salt, client_id, max_waiting=limit
+                    )
                 )
+        except QueueFullError as exc:
+            close_all(streams)
+            raise APIError(429, f"{exc} (--max-waiting-seqs)") from None
         except (ValueError, TypeError) as exc:
             close_all(streams)
             raise from_value_error(exc) from None
@@ -259,16 +271,6 @@ class OpenAIServing:
             close_all(streams)
             raise APIError(503, str(exc)) from None
         return streams
-
-    def check_queue(self, num_sequences: int) -> None:
-        limit = self.state.limits.max_waiting_sequences
-        waiting = self.state.async_llm.engine.stats().num_waiting
-        if waiting + num_sequences > limit:
-            raise APIError(
-                429,
-                f"the server is busy: {waiting} sequences wait for the engine and this request "
-                f"adds {num_sequences} (limit {limit}, --max-waiting-seqs); retry later",
-            )
 
     def decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

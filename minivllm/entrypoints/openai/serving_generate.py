@@ -74,7 +74,16 @@ class OpenAIServingGenerate(OpenAIServing):
                 400, 'output_mode "text" needs sampling_params.detokenize true', "output_mode"
             )
         max_tokens = self.check_length(len(request.token_ids), body.max_tokens, "token_ids")
-        self.check_request_size([len(request.token_ids)], body.n, max_tokens, body.logprobs)
+        logprobs = body.logprobs
+        if body.prompt_logprobs is not None:  # charged as echoed prompt logprobs are
+            logprobs = max(logprobs or 0, body.prompt_logprobs)
+        self.check_request_size(
+            [len(request.token_ids)],
+            body.n,
+            max_tokens,
+            logprobs,
+            echo_logprobs=body.prompt_logprobs is not None,
+        )
         try:
             return body.to_params(max_tokens)
         except (ValueError, TypeError) as exc:
