@@ -21,6 +21,7 @@ _DTYPES = {
     "float16": "float16",
     "half": "float16",
 }
+LOAD_FORMATS = ("auto", "ipc_cache")
 # Keys HF configs use for the trained context length, in the order transformers reads them.
 _MAX_LEN_KEYS = (
     "max_position_embeddings",
@@ -171,8 +172,14 @@ class EngineConfig:
     speculative_config: Any = None
     # Watermarking of sampled tokens (`watermark/config.py`); None: off.
     watermark_config: Any = None
+    # Where the weights come from: "auto" (the checkpoint) or "ipc_cache" (a weight-cache
+    # daemon, `weight_cache/`, with its `WeightCacheClientConfig` here).
+    load_format: str = "auto"
+    weight_cache_config: Any = None
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         self.parallel.verify(self.model.hf_config, self.device)
 
 

@@ -54,6 +54,10 @@ class EngineArgs:
     # vLLM's watermark_config: a dict, or its JSON text (`--watermark-config`); it may hold
     # the key, so it stays out of repr
     watermark_config: dict[str, Any] | str | None = dataclasses.field(default=None, repr=False)
+    # "auto" (the checkpoint) or "ipc_cache" (a weight-cache daemon; docs/fast-start.md),
+    # whose options are model_loader_extra_config: a dict, or its JSON text
+    load_format: str = "auto"
+    model_loader_extra_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -112,7 +116,23 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             speculative_config=speculative,
             watermark_config=watermark,
+            load_format=self.load_format,
+            weight_cache_config=resolve_weight_cache_config(
+                self.load_format, self.model_loader_extra_config
+            ),
         )
+
+
+def resolve_weight_cache_config(load_format: str, extra: dict[str, Any] | str | None) -> Any:
+    """The weight cache's options for load_format "ipc_cache" (validated: unknown keys are
+    errors); with any other format there must be none."""
+    if load_format != "ipc_cache":
+        if extra:
+            raise ValueError("model_loader_extra_config is only read with load_format 'ipc_cache'")
+        return None
+    from minivllm.weight_cache.client_config import WeightCacheClientConfig
+
+    return WeightCacheClientConfig.from_value(extra)
 
 
 def resolve_draft_model(

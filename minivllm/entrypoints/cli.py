@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from minivllm import __version__
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.entrypoints import watermark_cli, worker_cli
+from minivllm.entrypoints import watermark_cli, weight_cache_cli, worker_cli
 from minivllm.entrypoints.log import setup_logging
 from minivllm.entrypoints.openai.limits import add_limit_args, limits_from
 
@@ -174,6 +174,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="attention backend: torch (plain PyTorch, any device) or cpu (bf16 CPU kernels) "
         "(default: chosen for the machine)",
     )
+    run.add_argument(
+        "--load-format",
+        choices=["auto", "ipc_cache"],
+        default=d["load_format"],
+        help="auto: read the checkpoint; ipc_cache: map the weights a `minivllm "
+        "weight-cache-daemon` holds (docs/fast-start.md) (default: %(default)s)",
+    )
+    run.add_argument(
+        "--model-loader-extra-config",
+        metavar="JSON",
+        default=d["model_loader_extra_config"],
+        help='for ipc_cache: e.g. \'{"mode": "zero_copy", "fallback": true, "socket_dir": DIR}\'',
+    )
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -313,6 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(handler=serve_command, parser=serve)
     worker_cli.add_parser(commands)
     watermark_cli.add_parser(commands, default_tokenizer=DEFAULT_MODEL)
+    weight_cache_cli.add_parser(commands)
     models = commands.add_parser(
         "models",
         help="list the bundled demo models and their directories",

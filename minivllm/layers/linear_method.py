@@ -55,6 +55,14 @@ class LinearMethodBase(ABC):
         """Turn the loaded checkpoint tensors into what `apply` reads (default: nothing to do)."""
         return
 
+    # Whether `process_weights_after_mapping` exists: the weight cache refuses the model otherwise.
+    supports_mapped_weights = False
+
+    def process_weights_after_mapping(self, layer: nn.Module, kernels: Kernels) -> None:
+        """The weights arrive already processed and read-only (`load_format="ipc_cache"`):
+        rebuild only the Python-side state `apply` needs, writing to no weight."""
+        raise NotImplementedError(f"{type(self).__name__} cannot take mapped weights")
+
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ W.T + bias` for this method's weight format."""
@@ -79,6 +87,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         gemv = kernels.op("gemv_bf16")
         if gemv is not None and layer.weight.dtype == torch.bfloat16:
             self.cpu_kernel = CpuLinearKernel.build(gemv, layer.weight, kernels.prepack_weights)
+
+    # Nothing above writes to the weight: the oneDNN-prepacked copy, where made, is new
+    # memory built from it, so a mapped (read-only) weight takes the same step.
+    supports_mapped_weights = True
+
+    def process_weights_after_mapping(self, layer: nn.Module, kernels: Kernels) -> None:
+        self.process_weights_after_loading(layer, kernels)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.cpu_kernel is not None:

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from minivllm.config import ModelConfig
+from minivllm.config import EngineConfig, ModelConfig
 from minivllm.kernels.registry import TORCH, Kernels
 from minivllm.layers.cpu_linear import MAX_KERNEL_ROWS_PACKED, fits_prepacked
 from minivllm.layers.custom_op import CustomOp
@@ -24,7 +24,7 @@ logger = logging.getLogger("minivllm")
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -50,18 +50,31 @@ def load_model(
     """
     if model_cls is None:
         model_cls = resolve_model_class(getattr(config.hf_config, "architectures", None))
-    with torch.device(device), _default_dtype(config.dtype):
+    with torch.device(device), default_dtype(config.dtype):
         model = model_cls(config.hf_config, config.max_model_len)
     model.load_weights(iterate_weights(config.model))
     process_weights_after_loading(model, kernels, available_bytes)
     return model.eval()
 
 
+def get_model(config: EngineConfig, kernels: Kernels, available_bytes: int | None) -> nn.Module:
+    """The engine's model, from the checkpoint or (`load_format="ipc_cache"`) mapped from a
+    weight-cache daemon (`weight_cache/`)."""
+    if config.load_format == "ipc_cache":
+        from minivllm.weight_cache.loader import load_from_weight_cache
+
+        return load_from_weight_cache(config, kernels, available_bytes)
+    return load_model(config.model, config.device, kernels, available_bytes)
+
+
 def process_weights_after_loading(
-    model: nn.Module, kernels: Kernels, available_bytes: int | None = None
+    model: nn.Module, kernels: Kernels, available_bytes: int | None = None, mapped: bool = False
 ) -> None:
     """Once the checkpoint is in: each linear method processes its weights (repacking,
-    quantizing) for the engine's kernels, and each custom op picks its compiled ops."""
+    quantizing) for the engine's kernels, and each custom op picks its compiled ops.
+
+    `mapped`: the weights came already processed and read-only from the weight cache;
+    linear methods rebuild only their kernel objects (`process_weights_after_mapping`)."""
     linears = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     if kernels.key is not None and available_bytes is not None:
         plain = [m for m in linears if type(m.quant_method) is UnquantizedLinearMethod]
@@ -75,7 +88,10 @@ def process_weights_after_loading(
                 weight_bytes / 2**30,
             )
     for module in linears:
-        module.quant_method.process_weights_after_loading(module, kernels)
+        if mapped:
+            module.quant_method.process_weights_after_mapping(module, kernels)
+        else:
+            module.quant_method.process_weights_after_loading(module, kernels)
     for module in model.modules():
         if isinstance(module, CustomOp):
             module.select_kernels(kernels)

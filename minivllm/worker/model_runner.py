@@ -20,7 +20,7 @@ from minivllm.layers.attention.registry import select_attention_backend
 from minivllm.layers.forward_context import ForwardContext, forward_context
 from minivllm.layers.fused_decode import FusedLlamaDecode
 from minivllm.layers.sampler import Sampler
-from minivllm.loader.model_loader import load_model
+from minivllm.loader.model_loader import get_model
 from minivllm.spec_decode.draft_model import DraftModelProposer
 from minivllm.spec_decode.eagle import EagleProposer
 from minivllm.spec_decode.ngram import NgramProposer
@@ -61,7 +61,7 @@ class ModelRunner:
         self.vocab_size = config.model.vocab_size
         start = time.perf_counter()
         self.kernels = select_kernels(self.device, config.model.dtype, config.cpu_kernels)
-        self.model = load_model(config.model, self.device, self.kernels, self._available_bytes())
+        self.model = get_model(config, self.kernels, self._available_bytes())
         self.load_seconds = time.perf_counter() - start
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache_specs: list[KVCacheSpec] = [

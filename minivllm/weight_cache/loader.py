@@ -1,0 +1,182 @@
+"""`load_format="ipc_cache"`: the model's tensors mapped from a weight-cache daemon.
+
+    key = compute_key(...)            before anything loads
+    reply, fds = get_state(key)        manifest + the memfd (or: mismatch, unavailable)
+    model = model_cls(...)             torch.empty: no pages touched, no init
+    install mapped tensors             params and buffers become views of the memfd
+    post-load, "already processed"     linear methods rebuild kernel objects only
+
+Unavailable daemon, key mismatch or any failure while building fall back to the disk
+load with a warning (or raise with `fallback=false`); an unsupported setup (device,
+tensor parallelism, a linear method that cannot take processed weights) or an unsafe
+socket directory raises either way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from minivllm.weight_cache.arena import TensorEntry, entry_tensor, map_segments, named_tensors
+from minivllm.weight_cache.client import WeightCacheClient
+from minivllm.weight_cache.client_config import WeightCacheClientConfig
+from minivllm.weight_cache.key import compute_key
+from minivllm.weight_cache.socket_dir import ensure_socket_dir, socket_path
+from minivllm.weight_cache.watchdog import DaemonWatch
+
+if TYPE_CHECKING:
+    from minivllm.config import EngineConfig
+    from minivllm.kernels.registry import Kernels
+
+logger = logging.getLogger("minivllm")
+
+
+class UnsupportedForWeightCacheError(ValueError):
+    """This engine's setup cannot take weights from the cache: a configuration error,
+    raised even with `fallback`."""
+
+
+def load_from_weight_cache(
+    config: EngineConfig, kernels: Kernels, available_bytes: int | None
+) -> nn.Module:
+    from minivllm.loader.model_loader import load_model
+
+    options: WeightCacheClientConfig = config.weight_cache_config or WeightCacheClientConfig()
+    model = _empty_model(config)
+    check_supported(config, model)
+    path = options.socket_path or socket_path(ensure_socket_dir(options.socket_dir), tp_rank=0)
+    client = WeightCacheClient(path, options.connect_timeout_s, options.state_timeout_s)
+    try:
+        if not options.fallback:
+            client.wait_until_up(options.state_timeout_s)
+        return _map_model(model, config, client, options, kernels, available_bytes)
+    except Exception as e:
+        if not options.fallback:
+            raise
+        logger.warning("Weight cache unusable (%s); falling back to disk loading", e)
+    return load_model(config.model, config.device, kernels, available_bytes)
+
+
+def check_supported(config: EngineConfig, model: nn.Module) -> None:
+    if config.device != "cpu":
+        raise UnsupportedForWeightCacheError(
+            f"load_format 'ipc_cache' maps CPU shared memory; device {config.device!r} "
+            "is not supported yet"
+        )
+    if config.parallel.tensor_parallel_size != 1:
+        raise UnsupportedForWeightCacheError(
+            "load_format 'ipc_cache' supports tensor_parallel_size=1 only in this version"
+        )
+    from minivllm.layers.linear_method import LinearMethodBase
+
+    methods = {
+        type(m.quant_method).__name__
+        for m in model.modules()
+        if isinstance(getattr(m, "quant_method", None), LinearMethodBase)
+        and not m.quant_method.supports_mapped_weights
+    }
+    if methods:
+        raise UnsupportedForWeightCacheError(
+            f"linear method(s) {sorted(methods)} cannot take already-processed weights "
+            "from the weight cache"
+        )
+
+
+def _empty_model(config: EngineConfig) -> nn.Module:
+    """The model with uninitialised (`torch.empty`) parameters whose pages are never touched,
+    so they cost no memory before the mapped tensors replace them. Not the meta device: its
+    first use in a process imports torch's meta decompositions, 1.8 s measured here."""
+    from minivllm.loader.model_loader import default_dtype
+    from minivllm.models.registry import resolve_model_class
+
+    model_cls = resolve_model_class(getattr(config.model.hf_config, "architectures", None))
+    with torch.device(config.device), default_dtype(config.model.dtype):
+        return model_cls(config.model.hf_config, config.model.max_model_len)
+
+
+def _map_model(
+    model: nn.Module,
+    config: EngineConfig,
+    client: WeightCacheClient,
+    options: WeightCacheClientConfig,
+    kernels: Kernels,
+    available_bytes: int | None,
+) -> nn.Module:
+    from minivllm.loader.model_loader import process_weights_after_loading
+
+    start = time.perf_counter()
+    key = compute_key(config, kernels, tp_rank=0)
+    reply, fds = client.get_state(key)
+    copy = options.mode == "copy"
+    try:
+        segments = map_segments(fds, _int_list(reply.get("segment_bytes")), copy)
+        fds = []
+        num = install_tensors(model, reply, segments)
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if copy:  # our copy is made (or failed): the daemon frees its memory either way
+            client.release()
+    process_weights_after_loading(model, kernels, available_bytes, mapped=True)
+    if not copy:
+        DaemonWatch(int(reply["pid"]), int(reply["start_time"]), client.path).attach(model)
+    logger.info(
+        "Mapped %d tensors from the weight cache daemon (%s mode) in %.3f s",
+        num,
+        options.mode,
+        time.perf_counter() - start,
+    )
+    return model.eval()
+
+
+def install_tensors(model: nn.Module, reply: dict[str, Any], segments: list[torch.Tensor]) -> int:
+    """Replace every parameter and buffer by its mapped tensor; names must match exactly."""
+    entries = [TensorEntry.from_json(e) for e in reply.get("entries") or []]
+    aliases = reply.get("aliases") or {}
+    if not isinstance(aliases, dict):
+        raise ValueError("manifest aliases must be an object")
+    modules = dict(model.named_modules(remove_duplicate=False))
+    expected = {name for name, _, _ in named_tensors(model)}
+    given = {e.name for e in entries} | set(aliases)
+    if given != expected:
+        missing, extra = sorted(expected - given), sorted(given - expected)
+        raise ValueError(
+            f"manifest does not match the model: missing {missing[:5]}, extra {extra[:5]}"
+        )
+    installed: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        tensor = entry_tensor(entry, segments)
+        if entry.kind == "param":
+            tensor = nn.Parameter(tensor, requires_grad=False)
+        installed[entry.name] = tensor
+        _set(modules, entry.name, tensor, entry.kind)
+    for name, target in aliases.items():
+        if target not in installed:
+            raise ValueError(f"alias {name!r} names {target!r}, which is not in the manifest")
+        kind = "param" if isinstance(installed[target], nn.Parameter) else "buffer"
+        _set(modules, name, installed[target], kind)
+    mapped_ids = {id(t) for t in installed.values()}
+    left = [name for name, _, t in named_tensors(model) if id(t) not in mapped_ids]
+    if left:
+        raise ValueError(f"tensors left unmapped: {left[:5]}")
+    return len(entries)
+
+
+def _set(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor, kind: str) -> None:
+    owner, _, attr = name.rpartition(".")
+    module = modules[owner]
+    table = module._parameters if kind == "param" else module._buffers
+    if attr not in table:
+        raise ValueError(f"manifest {kind} {name!r} is not a {kind} of the model")
+    table[attr] = tensor
+
+
+def _int_list(value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError("manifest segment_bytes must be a list of sizes")
+    return value

@@ -1,0 +1,321 @@
+"""Fast Start: the weight-cache daemon and `load_format="ipc_cache"` (docs/fast-start.md).
+
+Daemons run as subprocesses (`python -m minivllm.weight_cache`) on a tiny bf16 Qwen3
+checkpoint, each with its own socket directory.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.weight_cache.client import WeightCacheClient, WeightCacheMismatchError
+from minivllm.weight_cache.protocol import recv_message, send_message
+from minivllm.weight_cache.socket_dir import (
+    SocketDirError,
+    ensure_socket_dir,
+    lock_path,
+    socket_path,
+)
+from minivllm.weight_cache.watchdog import WeightCacheDaemonLostError
+
+REPO = Path(__file__).resolve().parents[1]
+MAX_LEN = 256
+ENGINE = dict(dtype="bfloat16", max_model_len=MAX_LEN, kv_cache_memory_bytes=8 << 20)
+PROMPTS = ["def main(", "import os\nimport"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+
+
+class Daemon:
+    def __init__(self, model_dir: Path, socket_dir: Path, log: Path, *args: str) -> None:
+        self.socket_dir, self.log = socket_dir, log
+        self.path = socket_path(str(socket_dir))
+        cmd = [sys.executable, "-m", "minivllm.weight_cache", str(model_dir)]
+        cmd += ["--dtype", "bfloat16", "--max-model-len", str(MAX_LEN)]
+        cmd += ["--socket-dir", str(socket_dir), *args]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        with open(log, "w") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+
+    def wait_ready(self) -> Daemon:
+        deadline = time.monotonic() + 180  # a safety net, not a measurement
+        while "READY" not in self.log.read_text():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.proc.kill()
+                raise AssertionError(f"daemon did not start:\n{self.log.read_text()}")
+            time.sleep(0.1)
+        return self
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(60)
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(make_checkpoint: Any) -> Path:
+    return make_checkpoint("Qwen3ForCausalLM", dtype=torch.bfloat16)
+
+
+def short_dir() -> Path:
+    """A socket directory short enough for AF_UNIX's 108-byte paths (pytest's are long)."""
+    return Path(tempfile.mkdtemp(prefix="wc", dir="/tmp"))
+
+
+@pytest.fixture
+def start_daemon(bf16_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    started: list[Daemon] = []
+    socket_dir = short_dir()
+
+    def start(*args: str) -> Daemon:
+        daemon = Daemon(bf16_dir, socket_dir, tmp_path / f"daemon{len(started)}.log", *args)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+    shutil.rmtree(socket_dir)
+
+
+@pytest.fixture(scope="module")
+def shared_daemon(bf16_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the tests that only read from it; stopped (and checked) at the end."""
+    root, socket_dir = tmp_path_factory.mktemp("shared_daemon"), short_dir()
+    daemon = Daemon(bf16_dir, socket_dir, root / "daemon.log").wait_ready()
+    yield daemon
+    assert daemon.stop() == 0
+    assert not os.path.exists(daemon.path) and not os.path.exists(lock_path(daemon.path))
+    shutil.rmtree(socket_dir)
+
+
+@pytest.fixture(scope="module")
+def disk_outputs(bf16_dir: Path) -> list[Any]:
+    llm = LLM(str(bf16_dir), **ENGINE)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    return outputs
+
+
+def ipc_llm(model_dir: Path, daemon: Daemon, **options: Any) -> LLM:
+    extra = {"socket_dir": str(daemon.socket_dir), **options}
+    return LLM(str(model_dir), load_format="ipc_cache", model_loader_extra_config=extra, **ENGINE)
+
+
+def assert_same_outputs(outputs: list[Any], expected: list[Any]) -> None:
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.outputs[0].logprobs == want.outputs[0].logprobs
+
+
+def model_of(llm: LLM) -> torch.nn.Module:
+    return llm.llm_engine.executor.runner.model
+
+
+def mapping_of(ptr: int) -> tuple[int, str] | None:
+    """(inode, path) of the /proc/self/maps region holding address `ptr`."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in parts[0].split("-"))
+            if low <= ptr < high:
+                return int(parts[4]), parts[5].strip() if len(parts) > 5 else ""
+    return None
+
+
+def test_ipc_cache_matches_disk_load(
+    bf16_dir: Path, shared_daemon: Daemon, disk_outputs: list[Any], caplog: Any
+) -> None:
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        llm = ipc_llm(bf16_dir, shared_daemon)
+    assert "tensors from the weight cache daemon (zero_copy mode)" in caplog.text
+    assert "falling back" not in caplog.text
+    assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), disk_outputs)
+    weight = model_of(llm).model.layers[0].mlp.down_proj.weight
+    assert "memfd:minivllm-weights" in mapping_of(weight.data_ptr())[1]
+    llm.llm_engine.shutdown()
+
+
+def test_two_zero_copy_engines_map_the_same_memory(
+    bf16_dir: Path, shared_daemon: Daemon, disk_outputs: list[Any]
+) -> None:
+    engines = [ipc_llm(bf16_dir, shared_daemon) for _ in range(2)]
+    weights = [model_of(e).model.layers[1].self_attn.qkv_proj.weight for e in engines]
+    regions = [mapping_of(w.data_ptr()) for w in weights]
+    # two mappings of one memfd: the same inode, which is the daemon's own fd
+    assert regions[0] == regions[1] and "memfd:minivllm-weights" in regions[0][1]
+    fd_dir = f"/proc/{shared_daemon.proc.pid}/fd"
+    daemon_inodes = {os.stat(os.path.join(fd_dir, fd)).st_ino for fd in os.listdir(fd_dir)}
+    assert regions[0][0] in daemon_inodes
+    # tied embeddings stay tied; the shared rotary table stays shared
+    model = model_of(engines[0])
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    layers = model.model.layers
+    assert layers[0].self_attn.rotary_emb.cos_cache is layers[1].self_attn.rotary_emb.cos_cache
+    for engine in engines:
+        assert_same_outputs(engine.generate(PROMPTS, GREEDY, use_tqdm=False), disk_outputs)
+        engine.llm_engine.shutdown()
+
+
+def test_copy_engine_exit_leaves_zero_copy_engine_intact(
+    bf16_dir: Path, start_daemon: Any, disk_outputs: list[Any], caplog: Any
+) -> None:
+    daemon = start_daemon().wait_ready()
+    zero_copy = ipc_llm(bf16_dir, daemon)
+    copy = ipc_llm(bf16_dir, daemon, mode="copy")
+    weight = model_of(copy).model.layers[0].mlp.down_proj.weight
+    assert "memfd" not in (mapping_of(weight.data_ptr()) or (0, ""))[1]
+    assert_same_outputs(copy.generate(PROMPTS, GREEDY, use_tqdm=False), disk_outputs)
+    # copy mode told the daemon to release: the next engine falls back to disk
+    assert WeightCacheClient(daemon.path, 5, 30).ping()["released"] is True
+    copy.llm_engine.shutdown()
+    del copy, weight
+    gc.collect()
+    assert_same_outputs(zero_copy.generate(PROMPTS, GREEDY, use_tqdm=False), disk_outputs)
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        ipc_llm(bf16_dir, daemon).llm_engine.shutdown()
+    assert "weights were released" in caplog.text and "falling back to disk" in caplog.text
+    zero_copy.llm_engine.shutdown()
+
+
+def test_killed_daemon_fails_engine_and_leaves_a_stale_socket(
+    bf16_dir: Path, start_daemon: Any, disk_outputs: list[Any]
+) -> None:
+    daemon = start_daemon().wait_ready()
+    llm = ipc_llm(bf16_dir, daemon)
+    daemon.proc.kill()
+    daemon.proc.wait()
+    with pytest.raises(WeightCacheDaemonLostError, match="has exited"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    # the killed daemon left its socket: a client sees it stale, a new daemon cleans it
+    assert os.path.exists(daemon.path)
+    with pytest.raises(RuntimeError, match="stale socket"):
+        WeightCacheClient(daemon.path, 5, 30).ping()
+    with pytest.raises(RuntimeError, match="stale socket"):
+        ipc_llm(bf16_dir, daemon, fallback=False, state_timeout_s=0.5)
+    second = start_daemon().wait_ready()
+    assert "removed the stale socket" in second.log.read_text()
+    fresh = ipc_llm(bf16_dir, second)
+    assert_same_outputs(fresh.generate(PROMPTS, GREEDY, use_tqdm=False), disk_outputs)
+    fresh.llm_engine.shutdown()
+
+
+def test_second_daemon_on_one_socket_is_refused(shared_daemon: Daemon, bf16_dir: Path) -> None:
+    log = shared_daemon.log.with_name("second.log")
+    second = Daemon(bf16_dir, shared_daemon.socket_dir, log)
+    assert second.proc.wait(120) != 0
+    assert "already owns" in log.read_text()
+    assert WeightCacheClient(shared_daemon.path, 5, 30).ping()["status"] == "ok"
+
+
+def test_mismatched_key_falls_back_naming_the_field(
+    bf16_dir: Path, shared_daemon: Daemon, caplog: Any
+) -> None:
+    extra = {"socket_dir": str(shared_daemon.socket_dir)}
+    args = dict(ENGINE, max_model_len=128, load_format="ipc_cache")
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        llm = LLM(str(bf16_dir), model_loader_extra_config=extra, **args)
+    assert "mismatch on fields: ['max_model_len']" in caplog.text
+    assert "falling back to disk loading" in caplog.text
+    assert llm.generate(PROMPTS, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm.llm_engine.shutdown()
+    with pytest.raises(WeightCacheMismatchError, match="max_model_len") as info:
+        LLM(str(bf16_dir), model_loader_extra_config={**extra, "fallback": False}, **args)
+    assert info.value.fields == ["max_model_len"]
+
+
+def raw_request(path: str, payload: bytes) -> dict[str, Any]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(path)
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        return recv_message(sock, 1 << 20)[0]
+
+
+def frame(body: bytes) -> bytes:
+    return struct.pack("!Q", len(body)) + body
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (struct.pack("!Q", 1 << 40), "exceeds the limit"),
+        (frame(b"\xff{not json"), "not JSON"),
+        (frame(b"[1, 2]"), "not a JSON object"),
+        (frame(b'{"cmd": "exec"}'), "unknown command"),
+        (frame(b'{"cmd": "get_state", "key": {"dtype": 1}}'), "bad get_state request"),
+        (b"\x00\x00", "closed mid-message"),
+    ],
+)
+def test_malformed_request_gets_an_error_and_daemon_keeps_serving(
+    shared_daemon: Daemon, payload: bytes, message: str
+) -> None:
+    reply = raw_request(shared_daemon.path, payload)
+    assert reply["status"] == "error" and message in reply["message"]
+    assert WeightCacheClient(shared_daemon.path, 5, 30).ping()["status"] == "ok"
+
+
+def test_socket_and_directory_permissions(shared_daemon: Daemon) -> None:
+    assert os.stat(shared_daemon.path).st_mode & 0o777 == 0o600
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(shared_daemon.path)
+        send_message(sock, {"cmd": "ping"})
+        reply, _ = recv_message(sock, 1 << 20)
+    assert reply["pid"] == shared_daemon.proc.pid
+    assert json.dumps(reply)  # plain JSON, no pickle anywhere
+
+
+def test_unsafe_socket_directories_are_refused(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    default = ensure_socket_dir(None)
+    assert default == str(tmp_path / f"minivllm_weight_cache_{os.getuid()}")
+    assert os.stat(default).st_mode & 0o777 == 0o700
+    os.chmod(default, 0o750)
+    with pytest.raises(SocketDirError, match="must be 0700"):
+        ensure_socket_dir(None)
+    real = tmp_path / "real"
+    real.mkdir(mode=0o755)
+    ensure_socket_dir(str(real))  # an explicit directory: ownership and symlink checks only
+    (tmp_path / "link").symlink_to(real)
+    with pytest.raises(SocketDirError, match="symlink"):
+        ensure_socket_dir(str(tmp_path / "link"))
+
+
+def test_unsafe_default_directory_fails_the_engine_even_with_fallback(
+    bf16_dir: Path, tmp_path: Path, monkeypatch: Any
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    os.mkdir(tmp_path / f"minivllm_weight_cache_{os.getuid()}", 0o777)
+    os.chmod(tmp_path / f"minivllm_weight_cache_{os.getuid()}", 0o777)
+    with pytest.raises(SocketDirError):
+        LLM(str(bf16_dir), load_format="ipc_cache", **ENGINE)
+
+
+def test_extra_config_is_validated(bf16_dir: Path) -> None:
+    with pytest.raises(ValueError, match="unknown model_loader_extra_config key"):
+        LLM(str(bf16_dir), load_format="ipc_cache", model_loader_extra_config={"mod": 1}, **ENGINE)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        LLM(str(bf16_dir), load_format="ipc_cache", model_loader_extra_config='{"mode": "x"}')
+    with pytest.raises(ValueError, match="only read with load_format 'ipc_cache'"):
+        LLM(str(bf16_dir), model_loader_extra_config={"mode": "copy"})
+    with pytest.raises(ValueError, match="load_format must be one of"):
+        LLM(str(bf16_dir), load_format="pt")
