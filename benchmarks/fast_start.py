@@ -43,7 +43,9 @@ def child(args: argparse.Namespace) -> None:
 
     imported = time.monotonic()
     kwargs = dict(
-        dtype=args.dtype, max_model_len=args.max_model_len, kv_cache_memory_bytes=64 << 20
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_memory_bytes=1 << 30,  # one max_model_len=4096 sequence of the 4B shape
     )
     if args.load_format == "ipc_cache":
         extra = {"socket_dir": args.socket_dir, "fallback": False, "mode": args.mode}

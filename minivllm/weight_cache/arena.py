@@ -151,6 +151,8 @@ def map_segments(fds: list[int], sizes: list[int], copy: bool) -> list[torch.Ten
         for fd, size in zip(fds, sizes):
             if os.fstat(fd).st_size < size:
                 raise ValueError("a weight segment is smaller than its manifest says")
+            # no MAP_POPULATE: measured on the 4B shape, filling the page tables up front
+            # took weights 0.21 -> 0.55 s and restart-to-first-token 3.69 -> 4.06 s
             mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             with warnings.catch_warnings():  # read-only on purpose: writes would fault
                 warnings.simplefilter("ignore", UserWarning)
