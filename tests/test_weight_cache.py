@@ -27,6 +27,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.weight_cache.client import WeightCacheClient, WeightCacheMismatchError
+from minivllm.weight_cache.process import process_start_time
 from minivllm.weight_cache.protocol import recv_message, send_message
 from minivllm.weight_cache.socket_dir import (
     SocketDirError,
@@ -55,7 +56,7 @@ class Daemon:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self) -> Daemon:
-        deadline = time.monotonic() + 180  # a safety net, not a measurement
+        deadline = time.monotonic() + 600  # a safety net (a kernel build may come first)
         while "READY" not in self.log.read_text():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.proc.kill()
@@ -319,3 +320,96 @@ def test_extra_config_is_validated(bf16_dir: Path) -> None:
         LLM(str(bf16_dir), model_loader_extra_config={"mode": "copy"})
     with pytest.raises(ValueError, match="load_format must be one of"):
         LLM(str(bf16_dir), load_format="pt")
+
+
+# Tensor parallelism: a daemon group (one process per rank) and TP=2 engines mapping it.
+TP2 = dict(ENGINE, tensor_parallel_size=2)
+
+
+def rank_sockets(daemon: Daemon) -> list[str]:
+    return [socket_path(str(daemon.socket_dir), tp_rank=r) for r in range(2)]
+
+
+def memfd_inodes(pid: int) -> set[int]:
+    """Inodes of the weight memfds process `pid` maps."""
+    with open(f"/proc/{pid}/maps") as f:
+        return {int(line.split()[4]) for line in f if "memfd:minivllm-weights" in line}
+
+
+def memfd_fd_inodes(pid: int) -> set[int]:
+    """Inodes of the weight memfds process `pid` holds open (a daemon rank's arena)."""
+    fd_dir = f"/proc/{pid}/fd"
+    paths = [os.path.join(fd_dir, fd) for fd in os.listdir(fd_dir)]
+    return {os.stat(p).st_ino for p in paths if "memfd:minivllm-weights" in os.readlink(p)}
+
+
+def wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 60  # a safety net, not a measurement
+    while process_start_time(pid) is not None:
+        assert time.monotonic() < deadline, f"process {pid} still runs"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def tp2_disk_outputs(bf16_dir: Path) -> list[Any]:
+    llm = LLM(str(bf16_dir), **TP2)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    return outputs
+
+
+def test_tp2_ipc_cache_matches_tp2_disk_load(
+    bf16_dir: Path, start_daemon: Any, tp2_disk_outputs: list[Any], capfd: Any
+) -> None:
+    daemon = start_daemon("-tp", "2").wait_ready()
+    paths = rank_sockets(daemon)
+    rank_pids = [WeightCacheClient(p, 5, 30).ping()["pid"] for p in paths]
+    assert len(set(rank_pids)) == 2 and daemon.proc.pid not in rank_pids
+    extra = {"socket_dir": str(daemon.socket_dir), "fallback": False}  # map, or raise
+    llm = LLM(str(bf16_dir), load_format="ipc_cache", model_loader_extra_config=extra, **TP2)
+    try:
+        assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), tp2_disk_outputs)
+        # engine rank r maps daemon rank r's memfd, and only that one
+        worker_pids = llm.llm_engine.executor.worker_pids
+        mapped = [memfd_inodes(pid) for pid in worker_pids]
+        for inodes, rank_pid, other_pid in zip(mapped, rank_pids, rank_pids[::-1]):
+            assert inodes and inodes == memfd_fd_inodes(rank_pid)
+            assert not inodes & memfd_fd_inodes(other_pid)
+    finally:
+        llm.llm_engine.shutdown()
+    # rank 1's daemon lets go of its weights: engine rank 1 falls back, and rank 0 with it
+    WeightCacheClient(paths[1], 5, 30).release()
+    capfd.readouterr()
+    extra["fallback"] = True
+    llm = LLM(str(bf16_dir), load_format="ipc_cache", model_loader_extra_config=extra, **TP2)
+    try:
+        assert not any(memfd_inodes(pid) for pid in llm.llm_engine.executor.worker_pids)
+        assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), tp2_disk_outputs)
+    finally:
+        llm.llm_engine.shutdown()
+    err = capfd.readouterr().err
+    assert "weights were released" in err and "rank 0 mapped its weights but another" in err
+    assert daemon.stop() == 0
+    assert not any(os.path.exists(p) or os.path.exists(lock_path(p)) for p in paths)
+    assert all(process_start_time(pid) is None for pid in rank_pids)
+
+
+@pytest.mark.parametrize("victim", ["parent", "rank 1"])
+def test_tp2_daemon_group_goes_down_together(start_daemon: Any, victim: str) -> None:
+    daemon = start_daemon("-tp", "2").wait_ready()
+    paths = rank_sockets(daemon)
+    rank_pids = [WeightCacheClient(p, 5, 30).ping()["pid"] for p in paths]
+    if victim == "parent":
+        daemon.proc.kill()
+        daemon.proc.wait()
+        for pid in rank_pids:  # each rank sees its link to the parent close, and stops
+            wait_gone(pid)
+        assert not any(os.path.exists(p) or os.path.exists(lock_path(p)) for p in paths)
+    else:
+        os.kill(rank_pids[1], signal.SIGKILL)
+        assert daemon.proc.wait(60) == 1
+        assert f"rank 1 (pid {rank_pids[1]}) was killed by SIGKILL" in daemon.log.read_text()
+        wait_gone(rank_pids[0])
+        assert not os.path.exists(paths[0]) and not os.path.exists(lock_path(paths[0]))
+        with pytest.raises(RuntimeError, match="stale socket"):  # SIGKILL left rank 1's
+            WeightCacheClient(paths[1], 5, 30).ping()

@@ -6,7 +6,9 @@ r"""`minivllm weight-cache-daemon`: load a model once and keep it for engines to
 The daemon takes serve's engine flags: they must match the engine's (the cache key
 compares checkpoint, dtype, max_model_len, kernels, versions, ...), or the engine
 loads from disk and says which fields differ. It prints a READY line to stderr once
-its socket is bound, and stops (removing its socket) on SIGINT or SIGTERM.
+its socket is bound, and stops (removing its socket) on SIGINT or SIGTERM. With
+`-tp N` it runs one process per rank, each serving its own socket, and READY
+names them all once every rank serves.
 Also: `python -m minivllm.weight_cache MODEL ...`. Details: docs/fast-start.md.
 """
 

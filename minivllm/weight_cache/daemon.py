@@ -1,7 +1,8 @@
 """The weight-cache daemon: loads a model once, keeps its final tensors in shared memory,
 and hands them to engines on the same host that ask with an equal `WeightCacheKey`.
 
-One process serves one tensor-parallel rank's socket. It builds the model with the
+One process serves one tensor-parallel rank's socket (with tensor_parallel_size > 1,
+`daemon_group.py` starts one such process per rank). It builds the model with the
 ordinary loader (every post-load step included), copies the tensors into a sealed
 memfd (`arena.py`), drops the model, and only then binds its socket, so an engine
 that connects earlier is refused and falls back to disk. SIGINT/SIGTERM unlink the
@@ -17,8 +18,10 @@ import signal
 import socket
 import struct
 import time
+from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from minivllm.distributed.parallel_state import get_tp_size
 from minivllm.weight_cache.arena import WeightArena
 from minivllm.weight_cache.key import WeightCacheKey, compute_key
 from minivllm.weight_cache.process import process_start_time
@@ -45,21 +48,27 @@ _CLIENT_TIMEOUT_S = 10.0  # a client that stalls mid-request is dropped after th
 _UCRED = struct.Struct("3i")  # pid, uid, gid
 
 
-class _Stop(Exception):
+class StopDaemon(Exception):
     """SIGINT or SIGTERM: leave the serving loop and clean up."""
 
 
 class WeightCacheDaemon:
-    def __init__(self, config: EngineConfig, socket_dir: str | None = None) -> None:
-        if config.parallel.tensor_parallel_size != 1:
+    """One rank's daemon; with tensor_parallel_size > 1 it runs in a rank process that has
+    joined its group (`init_tensor_parallel`), so the loader builds this rank's shard."""
+
+    def __init__(
+        self, config: EngineConfig, socket_dir: str | None = None, tp_rank: int = 0
+    ) -> None:
+        if config.parallel.tensor_parallel_size != get_tp_size():
             raise ValueError(
-                "the weight cache daemon serves tensor_parallel_size=1 only in this version "
-                f"(got {config.parallel.tensor_parallel_size})"
+                "a tensor-parallel weight cache daemon runs one process per rank, each in its "
+                "group (run_daemon starts them)"
             )
         if config.device != "cpu":
             raise ValueError(f"the weight cache daemon runs on CPU only (device={config.device})")
+        self.tp_rank = tp_rank
         self.socket_dir = ensure_socket_dir(socket_dir)
-        self.path = socket_path(self.socket_dir, tp_rank=0)
+        self.path = socket_path(self.socket_dir, tp_rank=tp_rank)
         self.lock = SocketLock(self.path)
         self.lock.acquire()  # before the (long) load: a second daemon fails at once
         if remove_stale_socket(self.path):
@@ -77,7 +86,7 @@ class WeightCacheDaemon:
         start = time.perf_counter()
         config = self.config
         kernels = select_kernels(config.device, config.model.dtype, config.cpu_kernels)
-        self.key = compute_key(config, kernels, tp_rank=0)
+        self.key = compute_key(config, kernels, tp_rank=self.tp_rank)
         # no prepacked copies: they are oneDNN-opaque, so each engine builds its own
         model = load_model(config.model, config.device, kernels, available_bytes=None)
         self.arena = WeightArena(model)
@@ -102,9 +111,14 @@ class WeightCacheDaemon:
         listener.listen(16)
         self.listener = listener
 
-    def serve_forever(self) -> None:
+    def serve_forever(self, parent: Connection | None = None) -> None:
+        """Serve until a signal stops it, or (a rank of a group) until `parent` closes."""
         assert self.listener is not None
+        watched: list[Any] = [self.listener] if parent is None else [self.listener, parent]
         while True:
+            if parent is not None and parent in wait(watched):
+                logger.info("weight cache daemon stopping (its group's parent is gone)")
+                return
             conn, _ = self.listener.accept()
             with conn:
                 self._serve_one(conn)
@@ -177,14 +191,23 @@ class WeightCacheDaemon:
         self.lock.release()
 
 
+def install_stop_handlers() -> None:
+    """SIGINT and SIGTERM raise `StopDaemon` in the main thread (also out of a blocking accept)."""
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+
+
 def _stop(signum: int, frame: object) -> None:
-    raise _Stop(signal.Signals(signum).name)
+    raise StopDaemon(signal.Signals(signum).name)
 
 
 def run_daemon(config: EngineConfig, socket_dir: str | None = None) -> int:
     """Load, bind, print the READY banner to fd 2, serve until SIGINT/SIGTERM; exit status."""
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    if config.parallel.tensor_parallel_size > 1:
+        from minivllm.weight_cache.daemon_group import run_daemon_group
+
+        return run_daemon_group(config, socket_dir)
+    install_stop_handlers()
     daemon = None
     try:
         daemon = WeightCacheDaemon(config, socket_dir)
@@ -193,7 +216,7 @@ def run_daemon(config: EngineConfig, socket_dir: str | None = None) -> int:
         # straight to fd 2: the banner is what scripts wait for, whatever sys.stderr became
         os.write(2, f"===== Weight cache daemon READY: serving {daemon.path} =====\n".encode())
         daemon.serve_forever()
-    except _Stop as e:
+    except StopDaemon as e:
         logger.info("weight cache daemon stopping (%s)", e)
         return 0
     finally:

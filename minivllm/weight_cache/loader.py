@@ -8,8 +8,10 @@
 
 Unavailable daemon, key mismatch or any failure while building fall back to the disk
 load with a warning (or raise with `fallback=false`); an unsupported setup (device,
-tensor parallelism, a linear method that cannot take processed weights) or an unsafe
-socket directory raises either way.
+a linear method that cannot take processed weights) or an unsafe socket directory
+raises either way. With tensor parallelism each rank maps its own shard from its
+rank's socket (`..._tp<rank>.sock`, its own key's `tp_rank`) and watches its own
+daemon rank; the ranks then agree: if any rank fell back to disk, all do.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from minivllm.distributed.parallel_state import all_reduce_min, get_tp_rank
 from minivllm.weight_cache.arena import TensorEntry, entry_tensor, map_segments, named_tensors
 from minivllm.weight_cache.client import WeightCacheClient
 from minivllm.weight_cache.client_config import WeightCacheClientConfig
@@ -48,29 +51,46 @@ def load_from_weight_cache(
 
     options: WeightCacheClientConfig = config.weight_cache_config or WeightCacheClientConfig()
     model = _empty_model(config)
-    check_supported(config, model)
-    path = options.socket_path or socket_path(ensure_socket_dir(options.socket_dir), tp_rank=0)
+    check_supported(config, options, model)
+    tp_rank = get_tp_rank()
+    path = options.socket_path or socket_path(
+        ensure_socket_dir(options.socket_dir), tp_rank=tp_rank
+    )
     client = WeightCacheClient(path, options.connect_timeout_s, options.state_timeout_s)
+    mapped: nn.Module | None = None
     try:
         if not options.fallback:
             client.wait_until_up(options.state_timeout_s)
-        return _map_model(model, config, client, options, kernels, available_bytes)
+        mapped = _map_model(model, config, client, options, kernels, available_bytes, tp_rank)
     except Exception as e:
         if not options.fallback:
             raise
         logger.warning("Weight cache unusable (%s); falling back to disk loading", e)
+    # the ranks agree (a no-op without TP): one rank on disk puts every rank on disk
+    if all_reduce_min(int(mapped is not None)) == 1:
+        return mapped
+    if mapped is not None:
+        logger.warning(
+            "rank %d mapped its weights but another rank could not; loading from disk too, "
+            "so that all ranks agree",
+            tp_rank,
+        )
+    del mapped
     return load_model(config.model, config.device, kernels, available_bytes)
 
 
-def check_supported(config: EngineConfig, model: nn.Module) -> None:
+def check_supported(
+    config: EngineConfig, options: WeightCacheClientConfig, model: nn.Module
+) -> None:
     if config.device != "cpu":
         raise UnsupportedForWeightCacheError(
             f"load_format 'ipc_cache' maps CPU shared memory; device {config.device!r} "
             "is not supported yet"
         )
-    if config.parallel.tensor_parallel_size != 1:
+    if config.parallel.tensor_parallel_size > 1 and options.socket_path is not None:
         raise UnsupportedForWeightCacheError(
-            "load_format 'ipc_cache' supports tensor_parallel_size=1 only in this version"
+            "model_loader_extra_config.socket_path names one socket; with "
+            "tensor_parallel_size > 1 each rank has its own: give socket_dir instead"
         )
     from minivllm.layers.linear_method import LinearMethodBase
 
@@ -106,11 +126,12 @@ def _map_model(
     options: WeightCacheClientConfig,
     kernels: Kernels,
     available_bytes: int | None,
+    tp_rank: int,
 ) -> nn.Module:
     from minivllm.loader.model_loader import process_weights_after_loading
 
     start = time.perf_counter()
-    key = compute_key(config, kernels, tp_rank=0)
+    key = compute_key(config, kernels, tp_rank=tp_rank)
     reply, fds = client.get_state(key)
     copy = options.mode == "copy"
     try:

@@ -57,15 +57,8 @@ class LocalWorkers:
 
     @staticmethod
     def _start(spec: WorkerSpec, config: EngineConfig | None) -> _Child:
-        parent_sock, child_sock = socket.socketpair()
-        with child_sock:
-            fd = child_sock.fileno()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "minivllm.worker", str(fd)],
-                pass_fds=(fd,),
-                env=_child_env(),
-            )
-        child = _Child(spec.rank, proc, Connection(parent_sock.detach()))
+        proc, conn = spawn_child("minivllm.worker")
+        child = _Child(spec.rank, proc, conn)
         try:
             child.conn.send((spec, config))
         except OSError:
@@ -169,6 +162,17 @@ class LocalWorkers:
         return WorkerError(
             "a tensor-parallel worker failed; the engine cannot continue.\n" + "\n".join(lines)
         )
+
+
+def spawn_child(module: str) -> tuple[subprocess.Popen, Connection]:
+    """`python -m module FD`, FD one end of a new socket pair; the other end as a Connection."""
+    parent_sock, child_sock = socket.socketpair()
+    with child_sock:
+        fd = child_sock.fileno()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, str(fd)], pass_fds=(fd,), env=_child_env()
+        )
+    return proc, Connection(parent_sock.detach())
 
 
 def _child_env() -> dict[str, str]:

@@ -1,0 +1,87 @@
+"""One rank of a tensor-parallel weight-cache daemon: `python -m minivllm.weight_cache.daemon_rank FD`.
+
+Started by `daemon_group.py`; FD is this rank's end of a socket pair to the group's
+parent, whose first message is the `RankSpec`, the engine config and the socket
+directory. The rank joins the group exactly as an engine rank does
+(`init_tensor_parallel`), so the ordinary loader builds this rank's shard; it then
+serves its own socket (`..._tp<rank>.sock`) and tells the parent `("ready", path)`.
+It stops on SIGINT/SIGTERM or when the parent's end closes (the parent died),
+removing its socket and lock either way; a failure goes to the parent as
+`("error", traceback)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+logger = logging.getLogger("minivllm")
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    rank: int
+    world_size: int
+    init_method: str  # tcp://127.0.0.1:port: one node only
+    num_threads: int
+    log_level: int = logging.INFO
+    secret: bytes = field(default=b"", repr=False)  # seals the group's control plane
+
+
+def run_rank(conn: Connection) -> int:
+    """The rank process's body; returns its exit status."""
+    from minivllm.weight_cache.daemon import StopDaemon, WeightCacheDaemon, install_stop_handlers
+
+    spec, config, socket_dir = conn.recv()
+    install_stop_handlers()
+    _setup_logging(spec)
+    daemon = None
+    try:
+        import torch
+
+        from minivllm.distributed.parallel_state import init_tensor_parallel
+
+        torch.set_num_threads(spec.num_threads)
+        init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, spec.secret)
+        daemon = WeightCacheDaemon(config, socket_dir, tp_rank=spec.rank)
+        daemon.load()
+        daemon.bind()
+        conn.send(("ready", daemon.path))
+        daemon.serve_forever(parent=conn)
+    except StopDaemon as e:
+        logger.info("weight cache daemon rank %d stopping (%s)", spec.rank, e)
+    except Exception:  # noqa: BLE001 - every failure goes to the parent, with its traceback
+        text = traceback.format_exc()
+        try:
+            conn.send(("error", text))
+        except OSError:
+            logger.error("weight cache daemon rank %d failed:\n%s", spec.rank, text)
+        return 1
+    finally:
+        if daemon is not None:
+            daemon.close()
+    return 0
+
+
+def _setup_logging(spec: RankSpec) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s %(levelname)s minivllm weight cache rank {spec.rank}: %(message)s",
+            "%H:%M:%S",
+        )
+    )
+    logger.addHandler(handler)
+    logger.setLevel(spec.log_level)
+    logger.propagate = False
+
+
+if __name__ == "__main__":
+    status = run_rank(Connection(int(sys.argv[1])))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # skip the interpreter's slow teardown of torch.distributed
