@@ -150,9 +150,11 @@ def test_a_failing_request_fails_alone_and_the_others_finish_unchanged(
     assert engine.kv_cache_manager.usage == 0.0
 
 
-def test_a_dead_engine_stops_its_loop(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After a fatal failure the loop ends: no step is retried (a dead tensor-parallel
-    engine once spun writing ~4 MB/s of tracebacks)."""
+def test_async_llm_dead_tensor_parallel_worker_is_fatal(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost rank stops the engine, and its loop ends: no step is retried (a dead
+    tensor-parallel engine once spun writing ~4 MB/s of tracebacks)."""
     from minivllm import SamplingParams
     from minivllm.engine.async_llm import EngineDeadError
     from minivllm.worker.local_workers import WorkerError
@@ -170,30 +172,9 @@ def test_a_dead_engine_stops_its_loop(engine: Any, monkeypatch: pytest.MonkeyPat
         with pytest.raises(EngineDeadError):
             async for _ in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "a"):
                 pass
+        assert async_llm.dead_error is not None
         await asyncio.sleep(0.2)
         assert async_llm._loop_task.done() and len(calls) == 1
-
-    _run_async_llm(engine, body)
-
-
-def test_async_llm_dead_tensor_parallel_worker_is_fatal(
-    engine: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from minivllm import SamplingParams
-    from minivllm.engine.async_llm import EngineDeadError
-    from minivllm.worker.local_workers import WorkerError
-
-    def dead_worker_step() -> Any:
-        raise WorkerError("rank 1 (pid 1234) was killed by SIGKILL")
-
-    monkeypatch.setattr(engine, "step", dead_worker_step)
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-    async def body(async_llm: Any) -> None:
-        with pytest.raises(EngineDeadError):
-            async for _ in async_llm.generate({"prompt_token_ids": [5, 6, 7]}, params, "a"):
-                pass
-        assert async_llm.dead_error is not None
         with pytest.raises(EngineDeadError):  # later requests are refused at once
             await async_llm.add_request({"prompt_token_ids": [5, 6]}, params, "b")
 

@@ -12,7 +12,6 @@ import zipfile
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -24,8 +23,6 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from minivllm import SamplingParams
-from minivllm.engine.async_llm import EngineDeadError
-from minivllm.entrypoints.grpc.servicer import VllmEngineServicer
 from tests.gateway_utils import Gateway
 from tests.server_utils import MAX_MODEL_LEN, MODEL, PROMPTS, RemoteServer, metrics, post
 
@@ -427,19 +424,6 @@ def test_capabilities_minivllm_lacks_are_unimplemented(
 ) -> None:
     error = rpc_error(call, stub, method, request_)
     assert error.code() == Code.UNIMPLEMENTED and "minivllm" in error.details()
-
-
-def test_health_reflects_a_dead_engine_and_draining() -> None:
-    def health(dead: bool, draining: bool) -> tuple[bool, str]:
-        fake = SimpleNamespace(
-            async_llm=SimpleNamespace(dead_error=EngineDeadError("boom") if dead else None),
-            state=SimpleNamespace(is_draining=draining),
-        )
-        return VllmEngineServicer.health(fake)  # type: ignore[arg-type]
-
-    assert health(dead=False, draining=False) == (True, "healthy")
-    assert health(dead=True, draining=False)[0] is False and "boom" in health(True, False)[1]
-    assert health(dead=False, draining=True) == (False, "the server is shutting down")
 
 
 # ---------------------------------------------------------------- a gateway written for vLLM

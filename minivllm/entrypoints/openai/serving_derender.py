@@ -28,7 +28,6 @@ from minivllm.entrypoints.openai.protocol_scale_out import (
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat, _message
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion, _Logprobs
 from minivllm.entrypoints.openai.serving_engine import OpenAIServing, ServerState, usage
-from minivllm.entrypoints.openai.serving_generate import check_vocab
 from minivllm.entrypoints.openai.tool_calls import ToolPlan, plan_tools
 from minivllm.outputs import CompletionOutput, Logprob
 from minivllm.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -212,7 +211,7 @@ class OpenAIServingDerender(OpenAIServing):
                 400, f"{where}.logprobs.content must have one entry per token of token_ids", param
             )
         for entry in content:
-            check_vocab(self, [top.token_id for top in entry.top_logprobs], f"{where}.logprobs")
+            self.check_token_ids([top.token_id for top in entry.top_logprobs], f"{where}.logprobs")
 
     def _check_within_context(self, token_ids: list[int], where: str, param: str) -> None:
         limit = self.state.max_model_len
@@ -220,7 +219,7 @@ class OpenAIServingDerender(OpenAIServing):
             raise APIError(
                 400, f"{where} has {len(token_ids)} tokens, over max_model_len {limit}", param
             )
-        check_vocab(self, token_ids, where)
+        self.check_token_ids(token_ids, where)
 
 
 def _text_params(request: SamplingRequest | None) -> SamplingParams:

@@ -43,7 +43,7 @@ class OpenAIServingGenerate(OpenAIServing):
     async def generate(self, raw_request: Request) -> Response:
         request: GenerateRequest = await self.parse(raw_request, GenerateRequest)
         model = self.check_model(request.model)
-        check_vocab(self, request.token_ids, "token_ids")
+        self.check_token_ids(request.token_ids, "token_ids")
         params = self._params(request)
         request_id = f"generate-tokens-{request.request_id}"
         prompt = {"prompt_token_ids": list(request.token_ids)}
@@ -203,18 +203,6 @@ class OpenAIServingGenerate(OpenAIServing):
             }
             for entry in entries
         ]
-
-
-def check_vocab(serving: OpenAIServing, token_ids: list[int], param: str) -> None:
-    """400 for an id the model has no embedding for (pydantic already refused negatives)."""
-    vocab_size = serving.state.async_llm.engine.config.model.vocab_size
-    bad = next((i for i, t in enumerate(token_ids) if t >= vocab_size), None)
-    if bad is not None:
-        raise APIError(
-            400,
-            f"{param}[{bad}]: token id {token_ids[bad]} is out of vocabulary (0..{vocab_size - 1})",
-            param,
-        )
 
 
 def ranked(entry: dict[int, Logprob], chosen: int) -> list[tuple[int, Logprob]]:
