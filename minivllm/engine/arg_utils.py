@@ -20,6 +20,8 @@ from minivllm.config import (
     resolve_dtype,
 )
 from minivllm.loader.hub import resolve_model_path
+from minivllm.quantization.compressed_tensors import read_checkpoint_quantization
+from minivllm.quantization.config import resolve_quantization
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.watermark.config import WatermarkConfig
 
@@ -58,6 +60,11 @@ class EngineArgs:
     # whose options are model_loader_extra_config: a dict, or its JSON text
     load_format: str = "auto"
     model_loader_extra_config: dict[str, Any] | str | None = None
+    # online quantization (docs/quantization.md): a shorthand or "online" with
+    # quantization_config's targets; kernel_config's linear_backend_per_quant picks ops
+    quantization: str | None = None
+    quantization_config: dict[str, Any] | str | None = None
+    kernel_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -91,6 +98,10 @@ class EngineArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             eos_token_ids=read_eos_token_ids(model_dir, hf_config),
+            quantization=resolve_quantization(
+                self.quantization, self.quantization_config, self.kernel_config
+            ),
+            checkpoint_quantization=read_checkpoint_quantization(hf_config),
         )
         batched = self.max_num_batched_tokens or max(4096, min(max_model_len, 8192))
         block_size = self.block_size or default_block_size(device)

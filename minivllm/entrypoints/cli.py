@@ -16,6 +16,7 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.entrypoints import watermark_cli, weight_cache_cli, worker_cli
 from minivllm.entrypoints.log import setup_logging
 from minivllm.entrypoints.openai.limits import add_limit_args, limits_from
+from minivllm.quantization.config import QUANTIZATION_METHODS
 
 if TYPE_CHECKING:
     from minivllm.engine.async_llm import AsyncLLM
@@ -87,6 +88,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d["device"],
         choices=["auto", "cpu", "cuda"],
         help="default: %(default)s",
+    )
+    model.add_argument(
+        "--quantization",
+        "-q",
+        default=d["quantization"],
+        choices=QUANTIZATION_METHODS,
+        help="quantize the linear layers at load (int8/int4/fp8: weight-only, all but the LM "
+        "head); online: only the layers --quantization-config targets (docs/quantization.md)",
+    )
+    model.add_argument(
+        "--quantization-config",
+        metavar="JSON",
+        default=d["quantization_config"],
+        help='with online: e.g. \'{"targets": {"*mlp*": "int4_w4a16", "*self_attn*": '
+        '"int8_w8a8"}, "ignore": ["re:.*layers\\.0\\..*"]}\'',
+    )
+    model.add_argument(
+        "--kernel-config",
+        metavar="JSON",
+        default=d["kernel_config"],
+        help='op per quantization scheme: e.g. \'{"linear_backend_per_quant": '
+        '{"int4_w4a16": "torch"}}\' (cpu_kernel or torch; default: the fastest for the CPU)',
     )
 
     cache = parser.add_argument_group("KV cache")

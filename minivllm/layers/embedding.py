@@ -24,6 +24,11 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.shard_size = -(-vocab_size // self.tp_size)
         self.vocab_start = self.tp_rank * self.shard_size
+        # the weight's shape as a linear layer's (the LM head's x @ W.T), for quantization
+        self.input_size, self.output_size = hidden_size, self.shard_size
+        if not hasattr(self, "quant_method"):  # the LM head sets its own first
+            # a quantized table (an explicit `embed_tokens` target) is read through `embed`
+            self.quant_method: LinearMethodBase = UnquantizedLinearMethod()
         self.create_weights(hidden_size)
 
     def create_weights(self, hidden_size: int) -> None:
@@ -42,12 +47,21 @@ class VocabParallelEmbedding(nn.Module):
         param.data[: shard.shape[0]].copy_(shard)
         param.data[shard.shape[0] :].zero_()  # the last rank's padding rows
 
+    def weight_loader_ref(self) -> WeakLoader:
+        return WeakLoader(self.weight_loader)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        embed = getattr(self.quant_method, "embed", None)
+        if embed is not None:
+            return embed(self, ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0)
         return tp_all_reduce(out)
 

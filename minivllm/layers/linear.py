@@ -46,6 +46,10 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
+    def weight_loader_ref(self) -> WeakLoader:
+        """This layer's loader as parameters hold it, for a method that re-creates them."""
+        return WeakLoader(self.weight_loader)
+
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None
     ) -> None:

@@ -68,6 +68,16 @@ class LinearMethodBase(ABC):
         """`x @ W.T + bias` for this method's weight format."""
 
 
+def create_full_precision_weight(
+    layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
+) -> None:
+    """The checkpoint's weight in the model dtype, as the unquantized method and online
+    quantization (before it quantizes) both hold it."""
+    weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+    weight.weight_loader = weight_loader
+    layer.register_parameter("weight", weight)
+
+
 class UnquantizedLinearMethod(LinearMethodBase):
     """Weights in the model's dtype. On a bf16 CPU with the kernels, small batches stream
     the weight through our GEMV kernel and large ones use a oneDNN-prepacked copy
@@ -79,9 +89,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
     ) -> None:
-        weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
-        weight.weight_loader = weight_loader
-        layer.register_parameter("weight", weight)
+        create_full_precision_weight(layer, input_size, output_size, weight_loader)
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
         gemv = kernels.op("gemv_bf16")

@@ -14,7 +14,7 @@ from minivllm.config import EngineConfig, ModelConfig
 from minivllm.kernels.registry import TORCH, Kernels
 from minivllm.layers.cpu_linear import MAX_KERNEL_ROWS_PACKED, fits_prepacked
 from minivllm.layers.custom_op import CustomOp
-from minivllm.layers.embedding import ParallelLMHead
+from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.loader.safetensors_loader import iterate_weights
@@ -52,9 +52,21 @@ def load_model(
         model_cls = resolve_model_class(getattr(config.hf_config, "architectures", None))
     with torch.device(device), default_dtype(config.dtype):
         model = model_cls(config.hf_config, config.max_model_len)
+        quantize_layers(model, config)
     model.load_weights(iterate_weights(config.model))
     process_weights_after_loading(model, kernels, available_bytes)
     return model.eval()
+
+
+def quantize_layers(model: nn.Module, config: ModelConfig) -> None:
+    """Give the layers that the checkpoint stores quantized, or that online quantization
+    targets, their quantized method (`quantization/`); the rest stay as built."""
+    checkpoint = config.checkpoint_quantization
+    if config.quantization is None and checkpoint is None:
+        return
+    from minivllm.quantization.apply import assign_quant_methods
+
+    assign_quant_methods(model, config.quantization, checkpoint)
 
 
 def get_model(config: EngineConfig, kernels: Kernels, available_bytes: int | None) -> nn.Module:
@@ -75,7 +87,15 @@ def process_weights_after_loading(
 
     `mapped`: the weights came already processed and read-only from the weight cache;
     linear methods rebuild only their kernel objects (`process_weights_after_mapping`)."""
-    linears = [m for m in model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
+    linears = [
+        m
+        for m in model.modules()
+        if isinstance(m, (LinearBase, ParallelLMHead))
+        or (
+            isinstance(m, VocabParallelEmbedding)
+            and type(m.quant_method) is not UnquantizedLinearMethod
+        )
+    ]
     if kernels.key is not None and available_bytes is not None:
         plain = [m for m in linears if type(m.quant_method) is UnquantizedLinearMethod]
         weight_bytes = sum(m.weight.nbytes for m in plain)

@@ -37,6 +37,8 @@ def load_weights_strict(
         loader = getattr(param, "weight_loader", None)
         if loader is None:
             _copy(param, tensor, name)
+        elif getattr(param, "raw_checkpoint_tensor", False):  # its loader unpacks or checks it
+            loader(param, tensor, shard_id)
         else:
             loader(param, tensor.to(param.dtype), shard_id)
         loaded.add(name)

@@ -89,13 +89,19 @@ def _file_hash(path: str) -> str:
         return "none"
 
 
-def _quantization(hf_config: Any) -> tuple[str, str]:
-    quant = getattr(hf_config, "quantization_config", None)
-    if not quant:
-        return "none", "none"
+def _quantization(model: Any) -> tuple[str, str]:
+    """The checkpoint's quantization method (or "none") and the online one, by name, and a
+    hash of both configurations (targets, schemes, groups: what the processed weights are)."""
+    quant = getattr(model.hf_config, "quantization_config", None) or {}
     quant = quant if isinstance(quant, dict) else quant.to_dict()
+    online = model.quantization
+    methods = [str(quant.get("quant_method", "unknown"))] if quant else []
+    methods += [online.method] if online is not None and online.targets else []
+    if not methods:
+        return "none", "none"
     text = json.dumps(quant, sort_keys=True, default=str)
-    return str(quant.get("quant_method", "unknown")), hashlib.sha256(text.encode()).hexdigest()
+    text += online.to_json() if online is not None else ""
+    return "+".join(methods), hashlib.sha256(text.encode()).hexdigest()
 
 
 def compute_key(config: EngineConfig, kernels: Kernels, tp_rank: int) -> WeightCacheKey:
@@ -106,7 +112,7 @@ def compute_key(config: EngineConfig, kernels: Kernels, tp_rank: int) -> WeightC
     from minivllm.loader.safetensors_loader import checkpoint_files
 
     model = config.model
-    quantization, quant_hash = _quantization(model.hf_config)
+    quantization, quant_hash = _quantization(model)
     return WeightCacheKey(
         checkpoint=checkpoint_fingerprint(checkpoint_files(model.model)),
         model_config=_file_hash(os.path.join(model.model, "config.json")),

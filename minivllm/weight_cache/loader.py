@@ -111,12 +111,19 @@ def _empty_model(config: EngineConfig) -> nn.Module:
     """The model with uninitialised (`torch.empty`) parameters whose pages are never touched,
     so they cost no memory before the mapped tensors replace them. Not the meta device: its
     first use in a process imports torch's meta decompositions, 1.8 s measured here."""
-    from minivllm.loader.model_loader import default_dtype
+    from minivllm.loader.model_loader import default_dtype, quantize_layers
     from minivllm.models.registry import resolve_model_class
 
     model_cls = resolve_model_class(getattr(config.model.hf_config, "architectures", None))
     with torch.device(config.device), default_dtype(config.model.dtype):
-        return model_cls(config.model.hf_config, config.model.max_model_len)
+        model = model_cls(config.model.hf_config, config.model.max_model_len)
+        quantize_layers(model, config.model)
+        # quantized layers take the shapes of their processed tensors, which are mapped
+        for module in model.modules():
+            prepare = getattr(getattr(module, "quant_method", None), "prepare_for_mapping", None)
+            if prepare is not None:
+                prepare(module)
+    return model
 
 
 def _map_model(

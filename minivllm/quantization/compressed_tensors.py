@@ -1,0 +1,155 @@
+"""Checkpoints that store some layers quantized, in the compressed-tensors format.
+
+That is what llm-compressor writes and vLLM loads: config.json carries a
+`quantization_config` with `quant_method: "compressed-tensors"`, `config_groups`
+(each: `targets` (module class names such as "Linear", or `re:` module-name regexes),
+`weights` and `input_activations` quantization arguments) and `ignore` (modules left
+in full precision). The on-disk tensors of a quantized layer, per format:
+
+- int-, naive- or float-quantized (int8 W8A8; fp8 e4m3 per channel): `weight` int8
+  or float8_e4m3fn [N, K] and `weight_scale` [N, 1]; w = q * scale.
+- pack-quantized (every int weight-only scheme, int8 included): `weight_packed` int32
+  [N, K*b/32] (element i in bits [i*b, i*b+b) of the words, stored as q + 2^(b-1)),
+  `weight_scale` [N, 1] (per channel) or [N, K/G] (int4 groups), `weight_shape` [2];
+  asymmetric int4 adds `weight_zero_point`, packed the same way but down the output
+  dimension (int32 [N/8, K/G]); w = (q - z) * scale.
+- Symmetric int8 scales are max|w|/127.5 there, so q reaches -128 (our kernels take it).
+
+Layers the checkpoint stores quantized keep that format (repacked once into our
+kernel layout, `formats.py`, never re-quantized); online `targets` (config.py) apply
+only to the layers left in full precision (vLLM PR #51392). `tests/compressed_tensors_utils.py`
+builds such checkpoints with the compressed-tensors library itself.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from minivllm.quantization.config import SchemeSpec
+
+_SUPPORTED = (
+    "int8 weights per channel (symmetric), activations unquantized or dynamic per-token int8; "
+    "int4 weights in groups; fp8 e4m3 weights per channel"
+)
+
+
+@dataclass(frozen=True)
+class StoredScheme:
+    """A scheme as the checkpoint stores it: `format` says how its tensors are laid out."""
+
+    spec: SchemeSpec
+    format: str
+
+    def __str__(self) -> str:
+        return str(self.spec)
+
+
+@dataclass(frozen=True)
+class ConfigGroup:
+    targets: tuple[str, ...]
+    stored: StoredScheme
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """Which layers a compressed-tensors checkpoint stores quantized, and how."""
+
+    groups: tuple[ConfigGroup, ...]
+    ignore: tuple[str, ...]
+    format: str = "compressed-tensors"
+
+    def spec_for(self, name: str, shards: list[str]) -> StoredScheme | None:
+        """The stored scheme of our module `name` (a fused module: of its checkpoint
+        shards, which must agree), or None if the checkpoint stores it unquantized."""
+        if not shards:
+            return self._stored(name)
+        stored = [self._stored(s) for s in shards]
+        if len(set(stored)) > 1:
+            listing = ", ".join(
+                f"{s}: {x or 'unquantized'}" for s, x in zip(shards, stored, strict=True)
+            )
+            raise ValueError(
+                f"{name}: the checkpoint stores the shards of this fused layer differently "
+                f"({listing}); minivllm fuses them into one weight"
+            )
+        return stored[0]
+
+    def _stored(self, name: str) -> StoredScheme | None:
+        if any(_ct_match(p, name) for p in self.ignore):
+            return None
+        for group in self.groups:
+            if any(_ct_match(t, name) for t in group.targets):
+                return group.stored
+        return None
+
+    def method_for(self, stored: StoredScheme, backend: str | None):
+        from minivllm.quantization.ct_method import CompressedTensorsLinearMethod
+
+        return CompressedTensorsLinearMethod(stored.spec, backend, stored.format)
+
+
+def _ct_match(target: str, name: str) -> bool:
+    """compressed-tensors' matching: `re:` regex (re.match) or an exact module name; the
+    class name "Linear" covers every linear layer and the LM head (HF's are nn.Linear)."""
+    if target.startswith("re:"):
+        return re.match(target[3:], name) is not None
+    if target == "Linear":
+        return "embed_tokens" not in name
+    return target == name
+
+
+def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | None:
+    """The checkpoint's own quantization from its config, or None; a method or scheme we do
+    not load is an error naming it (never a silent full-precision load of packed weights)."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not quant:
+        return None
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method = quant.get("quant_method")
+    if method != "compressed-tensors":
+        raise ValueError(
+            f"checkpoints quantized with {method!r} are not supported; minivllm loads "
+            "compressed-tensors checkpoints (llm-compressor) and quantizes online "
+            "(--quantization int8/int4/fp8)"
+        )
+    groups = []
+    for name, group in (quant.get("config_groups") or {}).items():
+        fmt = str(group.get("format") or quant.get("format") or "naive-quantized")
+        stored = StoredScheme(_scheme_of(name, group), fmt)
+        groups.append(ConfigGroup(tuple(group.get("targets") or ()), stored))
+    if not groups:
+        raise ValueError("the checkpoint's compressed-tensors config has no config_groups")
+    return CheckpointQuantization(tuple(groups), tuple(quant.get("ignore") or ()))
+
+
+def _scheme_of(name: str, group: dict[str, Any]) -> SchemeSpec:
+    weights = group.get("weights") or {}
+    acts = group.get("input_activations")
+    bits, kind = weights.get("num_bits"), weights.get("type", "int")
+    strategy, symmetric = weights.get("strategy"), weights.get("symmetric", True)
+    dynamic_token_int8 = (
+        isinstance(acts, dict)
+        and acts.get("num_bits") == 8
+        and acts.get("type", "int") == "int"
+        and acts.get("strategy") == "token"
+        and acts.get("dynamic") is True
+        and acts.get("symmetric", True)
+    )
+    if kind == "int" and bits == 8 and strategy == "channel" and symmetric:
+        if acts is None:
+            return SchemeSpec("int8_w8a16")
+        if dynamic_token_int8:
+            return SchemeSpec("int8_w8a8")
+    if kind == "int" and bits == 4 and strategy == "group" and acts is None:
+        group_size = weights.get("group_size")
+        if isinstance(group_size, int) and group_size >= 32 and group_size % 32 == 0:
+            return SchemeSpec("int4_w4a16", group_size, bool(symmetric))
+    if kind == "float" and bits == 8 and strategy == "channel" and symmetric and acts is None:
+        return SchemeSpec("fp8_w8a16")
+    raise ValueError(
+        f"compressed-tensors group {name!r} uses a scheme minivllm does not load (weights "
+        f"{bits}-bit {kind} {strategy}, symmetric={symmetric}, activations {acts}); "
+        f"supported: {_SUPPORTED}"
+    )

@@ -1,0 +1,137 @@
+"""The linear method of a layer a compressed-tensors checkpoint stores quantized.
+
+It registers the checkpoint's own tensors (`weight` or `weight_packed`, `weight_scale`,
+`weight_shape`, `weight_zero_point`) so the strict loader fills them, unpacking the
+int32 words into one signed integer per weight element as they load: tensor-parallel
+slicing and the fused q/k/v and gate/up layers then cut in element units, as they do
+for full-precision weights. After loading, the values become our kernel layout
+(`formats.QuantWeights`) without re-quantizing: the checkpoint's scales are kept.
+The on-disk layout is described in `compressed_tensors.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.kernels.registry import Kernels
+from minivllm.layers.linear import RowParallelLinear
+from minivllm.layers.linear_method import WeightLoader
+from minivllm.quantization import formats
+from minivllm.quantization.method import QuantizedLinearMethod
+
+
+def unpack_int32(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """compressed-tensors' packing undone along the last dim: element i sits in bits
+    [i*bits, i*bits + bits) of the words, stored as q + 2^(bits-1). Returns signed int8."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32) * bits
+    values = (words.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    values = values.reshape(*words.shape[:-1], -1)[..., :count]
+    return (values - (1 << (bits - 1))).to(torch.int8)
+
+
+class CompressedTensorsLinearMethod(QuantizedLinearMethod):
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
+    ) -> None:
+        spec = self.spec
+        grouped = spec.scheme == "int4_w4a16"
+        if grouped and input_size % spec.group_size:
+            raise ValueError(
+                f"the checkpoint's int4 groups of {spec.group_size} do not divide this rank's "
+                f"{input_size} input features (a smaller tensor_parallel_size may)"
+            )
+        replicate_scale = isinstance(layer, RowParallelLinear) and not grouped
+        if spec.scheme == "fp8_w8a16":
+            self._add(
+                layer, "weight", (output_size, input_size), torch.float8_e4m3fn, weight_loader
+            )
+        elif self.source != "pack-quantized":
+            self._add(layer, "weight", (output_size, input_size), torch.int8, weight_loader)
+        else:
+            bits = 4 if grouped else 8
+            self._add(
+                layer,
+                "weight_packed",
+                (output_size, input_size),
+                torch.int8,
+                _unpacking(weight_loader, bits, lambda t: t.shape[-1] * (32 // bits)),
+            )
+            shape = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+            shape.weight_loader = _check_shape
+            shape.raw_checkpoint_tensor = True
+            layer.register_parameter("weight_shape", shape)
+        scale_cols = input_size // spec.group_size if grouped else 1
+        scale_loader = _copy_whole if replicate_scale else weight_loader
+        self._add(
+            layer, "weight_scale", (output_size, scale_cols), torch.float32, scale_loader, raw=False
+        )
+        if grouped and not spec.symmetric:
+            self._add(
+                layer,
+                "weight_zero_point",
+                (output_size, scale_cols),
+                torch.int8,
+                _unpacking(weight_loader, 4, None, along_rows=True),
+            )
+
+    @staticmethod
+    def _add(layer, name, shape, dtype, loader, raw: bool = True) -> None:
+        param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        param.weight_loader = loader
+        # the strict loader hands this tensor over as stored (no cast to the parameter's dtype)
+        param.raw_checkpoint_tensor = raw
+        layer.register_parameter(name, param)
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
+        spec = self.spec
+        values = getattr(layer, "weight_packed", None)
+        if values is None:
+            values = layer.weight
+        values = values.data
+        scale = layer.weight_scale.data
+        if spec.scheme == "fp8_w8a16":
+            qw = formats.from_fp8_values(values, scale[:, 0])
+        elif spec.scheme == "int4_w4a16":  # signed [-8, 7] here, unsigned [0, 15] there
+            zero = getattr(layer, "weight_zero_point", None)
+            qw = formats.from_int4_values(
+                (values.to(torch.int16) + 8).to(torch.uint8),
+                scale,
+                None if zero is None else zero.data.to(torch.float32) + 8,
+                spec.group_size,
+            )
+        else:
+            qw = formats.from_int8_values(values, scale[:, 0], spec.scheme)
+        self.install(layer, qw, kernels)
+
+
+def _unpacking(loader: WeightLoader, bits: int, count, along_rows: bool = False) -> WeightLoader:
+    """A loader that unpacks the checkpoint's int32 words, then slices as the layer does."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if along_rows:  # the asymmetric zero points are packed down the output dimension
+            rows = loaded.shape[0] * (32 // bits)
+            values = unpack_int32(loaded.t().contiguous(), bits, rows).t().contiguous()
+        elif loaded.dtype == torch.int32:
+            values = unpack_int32(loaded, bits, count(loaded))
+        else:
+            values = loaded
+        loader(param, values, shard_id)
+
+    return load
+
+
+def _check_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """`weight_shape` is the full [N, K] of the checkpoint module: kept for the record only."""
+    if loaded.numel() != 2:
+        raise ValueError(f"weight_shape must hold [out, in], got shape {tuple(loaded.shape)}")
+
+
+def _copy_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    """A per-output-channel scale of a row-parallel layer: every rank has all N outputs."""
+    if tuple(loaded.shape) != tuple(param.shape):
+        raise ValueError(
+            f"weight_scale has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+        )
+    param.data.copy_(loaded)

@@ -1,0 +1,350 @@
+"""Quantized linear weights as the CPU kernels read them, and the plain-PyTorch reference.
+
+`reference_linear` is the contract: the kernels (`kernels/quant_gemm.cpp`) compute the
+same float32 sums in another order and round once to bf16, and
+tests/test_quant_kernels.py holds them to it. Four schemes:
+
+    scheme        weight [N, K] stored as            scale            activations
+    int8_w8a16    int8, symmetric per channel        float32 [N]      bf16
+    int8_w8a8     int8, symmetric per channel        float32 [N]      int8 per token, in the kernel
+    fp8_w8a16     float8 e4m3 bits (uint8)           float32 [N]      bf16
+    int4_w4a16    uint8 [N, K/2], two nibbles a byte float32 [N, K/G] bf16   (zero: [N, K/G] or 8)
+
+The int4 nibbles are packed so that one 16-byte load, widened to 16-bit lanes, gives
+16 consecutive k from the low nibbles and the next 16 from the high ones:
+
+    one 32-element chunk of a row:   q[0] q[1] ... q[15] | q[16] q[17] ... q[31]
+    its 16 bytes:                    byte j = q[j] | q[j + 16] << 4     (j = 0..15)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "fp8_w8a16")
+
+# the `kind` argument of the compiled `quant_linear`
+KIND_INT8_W8A16 = 1
+KIND_INT4_W4A16 = 2
+KIND_FP8_W8A16 = 3
+KIND_INT8_W8A8 = 4
+KERNEL_KIND = {
+    "int8_w8a16": KIND_INT8_W8A16,
+    "int4_w4a16": KIND_INT4_W4A16,
+    "fp8_w8a16": KIND_FP8_W8A16,
+    "int8_w8a8": KIND_INT8_W8A8,
+}
+
+INT8_MAX = 127
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+INT4_CHUNK = 32  # k per packed chunk: 16 bytes
+INT4_SYMMETRIC_ZERO = 8  # symmetric int4 stores q + 8 in [0, 15]
+
+
+@dataclass(slots=True)
+class QuantWeights:
+    """What a quantized linear holds, in the kernels' layout (see the module docstring).
+
+    `zero` is int4's per-group zero point (None: symmetric, 8), `wsum` int8_w8a8's row
+    sums of q, `group_size` int4's k per scale (0 for per-channel schemes). `packed` is a
+    oneDNN-prepacked int8 copy for large int8_w8a8 batches (`prepack_w8a8`); it is
+    derived, so `tensors()` leaves it out and a rebuilt QuantWeights prepacks anew.
+    """
+
+    scheme: str
+    weight: Tensor
+    scale: Tensor
+    zero: Tensor | None
+    wsum: Tensor | None
+    group_size: int
+    out_features: int
+    in_features: int
+    packed: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        _check_layout(self)
+
+    @property
+    def kind(self) -> int:
+        return KERNEL_KIND[self.scheme]
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The stored tensors by name (the None ones left out), to register as parameters."""
+        named = {"weight": self.weight, "scale": self.scale, "zero": self.zero, "wsum": self.wsum}
+        return {name: t for name, t in named.items() if t is not None}
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: dict[str, Tensor],
+        scheme: str,
+        group_size: int,
+        out_features: int,
+        in_features: int,
+    ) -> QuantWeights:
+        """The inverse of `tensors()`, with the metadata it does not carry."""
+        return cls(
+            scheme,
+            tensors["weight"],
+            tensors["scale"],
+            tensors.get("zero"),
+            tensors.get("wsum"),
+            group_size,
+            out_features,
+            in_features,
+        )
+
+
+def _check_layout(qw: QuantWeights) -> None:
+    """Raise ValueError unless qw's tensors have the dtypes and shapes its scheme needs."""
+    n, k = qw.out_features, qw.in_features
+    if qw.scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {qw.scheme!r}; known: {SCHEMES}")
+    want_dtype = torch.int8 if qw.scheme.startswith("int8") else torch.uint8
+    want_shape = (n, k // 2) if qw.scheme == "int4_w4a16" else (n, k)
+    _expect(qw.weight, "weight", want_dtype, want_shape)
+    if qw.scheme == "int4_w4a16":
+        if not _divides(INT4_CHUNK, qw.group_size) or k % qw.group_size:
+            raise ValueError(
+                f"int4 groups of {qw.group_size} must be a multiple of {INT4_CHUNK} dividing K={k}"
+            )
+        groups = (n, k // qw.group_size)
+        _expect(qw.scale, "scale", torch.float32, groups)
+        if qw.zero is not None:
+            _expect(qw.zero, "zero", torch.float32, groups)
+    else:
+        if qw.group_size != 0 or qw.zero is not None:
+            raise ValueError(f"{qw.scheme} is per channel: group_size 0 and no zero point")
+        _expect(qw.scale, "scale", torch.float32, (n,))
+    if qw.scheme == "int8_w8a8":
+        if qw.wsum is None:
+            raise ValueError("int8_w8a8 needs wsum, the int32 row sums of q")
+        _expect(qw.wsum, "wsum", torch.int32, (n,))
+    elif qw.wsum is not None:
+        raise ValueError(f"{qw.scheme} has no wsum")
+
+
+def _expect(t: Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    if t.dtype != dtype or tuple(t.shape) != shape:
+        raise ValueError(f"{name}: want {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}")
+
+
+def _divides(d: int, n: int) -> bool:
+    return n > 0 and n % d == 0
+
+
+# -- from pre-quantized values (checkpoints) -------------------------------------------
+
+
+def from_int8_values(q: Tensor, scale: Tensor, scheme: str = "int8_w8a16") -> QuantWeights:
+    """int8 q [N, K] and per-channel scale [N], w = q * scale: no re-quantization."""
+    if q.dtype != torch.int8 or scheme not in ("int8_w8a16", "int8_w8a8"):
+        raise ValueError(f"want int8 values for an int8 scheme, got {q.dtype} for {scheme!r}")
+    q = q.contiguous()
+    wsum = q.sum(dim=1, dtype=torch.int32) if scheme == "int8_w8a8" else None
+    n, k = q.shape
+    return QuantWeights(scheme, q, _float32(scale), None, wsum, 0, n, k)
+
+
+def from_fp8_values(q: Tensor, scale: Tensor) -> QuantWeights:
+    """float8_e4m3fn q [N, K] (or its uint8 bits) and per-channel scale [N]; no NaNs."""
+    if q.dtype == torch.float8_e4m3fn:
+        q = q.view(torch.uint8)
+    if q.dtype != torch.uint8:
+        raise ValueError(f"want float8_e4m3fn values or their uint8 bits, got {q.dtype}")
+    if bool(((q & 0x7F) == 0x7F).any()):  # the kernel decodes the NaN pattern as a number
+        raise ValueError("fp8 weights contain NaN")
+    n, k = q.shape
+    return QuantWeights("fp8_w8a16", q.contiguous(), _float32(scale), None, None, 0, n, k)
+
+
+def from_int4_values(
+    q: Tensor, scale: Tensor, zero: Tensor | None, group_size: int
+) -> QuantWeights:
+    """Unpacked int4 values q in [0, 15] (uint8 [N, K]), scales [N, K/G] and zero points
+    [N, K/G] (None: symmetric, 8), w = (q - zero) * scale; packs q for the kernel."""
+    if q.dtype != torch.uint8 or bool((q > 15).any()):
+        raise ValueError("want int4 values as uint8 in [0, 15]")
+    n, k = q.shape
+    zero = None if zero is None else _float32(zero)
+    return QuantWeights("int4_w4a16", pack_int4(q), _float32(scale), zero, None, group_size, n, k)
+
+
+def _float32(t: Tensor) -> Tensor:
+    return t.detach().to(torch.float32).contiguous()
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """uint8 values [N, K] in [0, 15] -> uint8 [N, K/2] in the kernel's chunk layout."""
+    n, k = q.shape
+    if k % INT4_CHUNK:
+        raise ValueError(f"int4 rows pack in chunks of {INT4_CHUNK}; K={k} is not a multiple")
+    halves = q.reshape(n, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """The inverse of `pack_int4`: uint8 [N, K/2] -> values [N, K] in [0, 15]."""
+    n, half_k = packed.shape
+    chunks = packed.reshape(n, -1, INT4_CHUNK // 2)
+    return torch.stack((chunks & 0xF, chunks >> 4), dim=2).reshape(n, 2 * half_k)
+
+
+# -- online quantization ------------------------------------------------------------------
+
+
+def quantize(
+    weight: Tensor, scheme: str, group_size: int = 128, symmetric: bool = True
+) -> QuantWeights:
+    """Quantize a float weight [N, K] (in float32) into `scheme`'s kernel layout.
+
+    int8 (both): scale = amax|w_row| / 127 (1 for a zero row), q = clamp(round(w/scale), +-127).
+    fp8_w8a16: scale = amax|w_row| / 448, q = e4m3(clamp(w/scale, +-448)), round to nearest.
+    int4_w4a16, per group of `group_size` k (K % group_size == 0):
+      symmetric:  scale = amax|w_g| / 7, q = clamp(round(w/scale), -8, 7) + 8, zero None (8);
+      asymmetric: the group's range [lo, hi] widened to include 0 (so zero is exact and
+                  z in range), scale = (hi - lo) / 15, z = clamp(round(-lo/scale), 0, 15),
+                  q = clamp(round(w/scale) + z, 0, 15).
+    Dequantization is w = q * scale, or (q - z) * scale for int4.
+    """
+    w = weight.detach().to(torch.float32)
+    if scheme in ("int8_w8a16", "int8_w8a8"):
+        scale = _amax_scale(w.abs().amax(dim=1), INT8_MAX)
+        q = torch.round(w / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        return from_int8_values(q, scale, scheme)
+    if scheme == "fp8_w8a16":
+        scale = _amax_scale(w.abs().amax(dim=1), FP8_MAX)
+        q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return from_fp8_values(q, scale)
+    if scheme == "int4_w4a16":
+        return _quantize_int4(w, group_size, symmetric)
+    raise ValueError(f"unknown quantization scheme {scheme!r}; known: {SCHEMES}")
+
+
+def _amax_scale(amax: Tensor, qmax: float) -> Tensor:
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+
+
+def _quantize_int4(w: Tensor, group_size: int, symmetric: bool) -> QuantWeights:
+    n, k = w.shape
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"K={k} is not a multiple of the int4 group size {group_size}")
+    groups = w.reshape(n, k // group_size, group_size)
+    if symmetric:
+        scale = _amax_scale(groups.abs().amax(dim=-1), 7)
+        q = torch.round(groups / scale[..., None]).clamp_(-8, 7) + INT4_SYMMETRIC_ZERO
+        zero = None
+    else:
+        lo = groups.amin(dim=-1).clamp(max=0)
+        hi = groups.amax(dim=-1).clamp(min=0)
+        scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+        zero = torch.round(-lo / scale).clamp_(0, 15)
+        q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp_(0, 15)
+    return from_int4_values(q.reshape(n, k).to(torch.uint8), scale, zero, group_size)
+
+
+# -- the reference ---------------------------------------------------------------------------
+
+
+def dequantize(qw: QuantWeights) -> Tensor:
+    """The float32 weight [N, K] that `qw` stands for: q * scale, or (q - z) * scale (int4)."""
+    if qw.scheme in ("int8_w8a16", "int8_w8a8"):
+        return qw.weight.to(torch.float32) * qw.scale[:, None]
+    if qw.scheme == "fp8_w8a16":
+        return qw.weight.view(torch.float8_e4m3fn).to(torch.float32) * qw.scale[:, None]
+    q = unpack_int4(qw.weight).to(torch.float32)
+    zero = INT4_SYMMETRIC_ZERO if qw.zero is None else qw.zero.repeat_interleave(qw.group_size, 1)
+    return (q - zero) * qw.scale.repeat_interleave(qw.group_size, 1)
+
+
+def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
+    """int8_w8a8's activations, row by row in float32: xs = amax|x_row| / 127 (1 for a zero
+    row), xq = clamp(round(x / xs), +-127), rounding half to even. Returns (xq, xs)."""
+    xf = x.to(torch.float32)
+    xs = _amax_scale(xf.abs().amax(dim=-1), INT8_MAX)
+    xq = torch.round(xf / xs[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return xq, xs
+
+
+def reference_linear(x: Tensor, qw: QuantWeights, bias: Tensor | None = None) -> Tensor:
+    """bf16 x [..., K] times qw's weight, the kernels' contract; bf16 [..., N].
+
+    Weight-only schemes: y = x @ dequantize(qw).T (+ bias), in float32, rounded to bf16
+    once. int8_w8a8: (xq, xs) = quantize_per_token(x), acc[m, n] = sum_k xq[m, k] q[n, k]
+    exactly, y = acc * xs[m] * scale[n] (+ bias) in float32, rounded to bf16 once.
+    """
+    rows = x.reshape(-1, qw.in_features)
+    if qw.scheme == "int8_w8a8":
+        xq, xs = quantize_per_token(rows)
+        acc = (xq.to(torch.float64) @ qw.weight.to(torch.float64).T).to(torch.float32)
+        y = acc * xs[:, None] * qw.scale
+    else:
+        y = rows.to(torch.float32) @ dequantize(qw).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(torch.bfloat16).reshape(*x.shape[:-1], qw.out_features)
+
+
+# -- what the kernels take ------------------------------------------------------------------
+
+
+def kernel_supports(scheme: str) -> bool:
+    """Whether this CPU runs `scheme`'s kernel: AVX512-BF16, and AVX512-VNNI for int8_w8a8."""
+    from minivllm.kernels.isa import cpu_flags, cpu_has_avx512_bf16
+
+    if scheme not in SCHEMES:
+        return False
+    return cpu_has_avx512_bf16() and (scheme != "int8_w8a8" or "avx512_vnni" in cpu_flags())
+
+
+def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) -> bool:
+    """The kernels' shape precondition: K a multiple of 32, and for int4 a group size that
+    is a multiple of 32 dividing K. Elsewhere use `reference_linear`."""
+    if in_features <= 0 or in_features % 32:
+        return False
+    return scheme != "int4_w4a16" or (_divides(32, group_size) and in_features % group_size == 0)
+
+
+# -- int8_w8a8 for large batches: oneDNN on a prepacked copy ---------------------------------
+
+PACK_BATCH_HINT = 128  # the batch size oneDNN picks its packed layout for
+
+
+def onednn_int8_available() -> bool:
+    """Whether this torch has oneDNN's int8 linear (`onednn::qlinear_prepack`)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
+def prepack_w8a8(qw: QuantWeights) -> None:
+    """Fill `qw.packed` with oneDNN's prepacked copy of the int8 weight; RuntimeError where
+    this torch lacks oneDNN's int8 linear (then use the VNNI kernel at every batch)."""
+    if qw.scheme != "int8_w8a8":
+        raise ValueError(f"only int8_w8a8 weights are prepacked, not {qw.scheme}")
+    if not onednn_int8_available():
+        raise RuntimeError("oneDNN's int8 linear (onednn::qlinear_prepack) is unavailable")
+    qw.packed = torch.ops.onednn.qlinear_prepack(qw.weight, [PACK_BATCH_HINT, qw.in_features])
+
+
+def w8a8_large_batch(
+    x: Tensor, qw: QuantWeights, bias: Tensor | None = None, quantize_rows=None
+) -> Tensor:
+    """int8_w8a8 through oneDNN's int8 GEMM on `qw.packed` (AMX where present): the same
+    numbers as `reference_linear` (exact int32 sums), faster than the VNNI kernel from a
+    few dozen rows. `quantize_rows` is the compiled `quantize_per_token_int8`, or None for
+    `quantize_per_token`."""
+    if qw.packed is None:
+        raise RuntimeError("no oneDNN-packed weight: call prepack_w8a8 first")
+    rows = x.reshape(-1, qw.in_features)
+    xq, xs = (quantize_rows or quantize_per_token)(rows)
+    no_zero = torch.zeros(qw.out_features, dtype=torch.int64)
+    # (acc * scale[n]) * xs[m] in float32: the reference's product, multiplied in another order
+    acc_scaled = torch.ops.onednn.qlinear_pointwise(
+        xq, 1.0, 0, qw.packed, qw.scale, no_zero, None, 1.0, 0, torch.float32, "none", [], ""
+    )
+    y = acc_scaled * xs[:, None]
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(torch.bfloat16).reshape(*x.shape[:-1], qw.out_features)

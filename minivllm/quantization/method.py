@@ -1,0 +1,208 @@
+"""The quantized linear method: a layer whose weight is int8, int4 or fp8 (`formats.py`).
+
+Online quantization keeps the checkpoint's full-precision `weight` until
+`process_weights_after_loading`, which quantizes it and replaces it with the scheme's
+tensors in the kernel's layout (`formats.QuantWeights`), registered as the layer's
+parameters so the weight cache (`weight_cache/`) can serve them as they are. A
+pre-quantized checkpoint layer (`compressed_tensors.py`) arrives at the same
+`QuantWeights` from the checkpoint's own tensors instead.
+
+`apply` runs our C++ kernel (`quant_linear`, dequantizing in registers) where the
+machine and shape allow and the backend choice says so, else the plain-PyTorch
+reference, which is also the kernel's test oracle. Weight-only schemes at large
+batches (prefill) dequantize the weight to the activation dtype once per call and use
+the dense GEMM: there the step is compute-bound and oneDNN's bf16 GEMM is faster than
+converting in registers. int8_w8a8 at large batches uses oneDNN's int8 GEMM instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.kernels.registry import Kernels
+from minivllm.layers.linear_method import (
+    LinearMethodBase,
+    WeightLoader,
+    create_full_precision_weight,
+)
+from minivllm.quantization import formats
+from minivllm.quantization.config import SchemeSpec
+
+logger = logging.getLogger("minivllm")
+
+# rows up to which the weight-streaming kernels beat dequantize-then-GEMM (weight-only
+# schemes) and oneDNN's int8 GEMM (w8a8); measured in docs/quantization.md
+MAX_STREAMING_ROWS = 64
+MAX_W8A8_KERNEL_ROWS = 64
+
+
+class QuantizedLinearMethod(LinearMethodBase):
+    """One quantization scheme for one layer; `backend` None picks the fastest correct op."""
+
+    supports_mapped_weights = True
+
+    def __init__(
+        self, spec: SchemeSpec, backend: str | None = None, source: str = "online"
+    ) -> None:
+        self.spec = spec
+        self.requested_backend = backend
+        self.source = source  # "online", or the checkpoint format that quantized it
+        self.quant_weights: formats.QuantWeights | None = None
+        self.op = None  # the compiled quant_linear, where used
+        self.backend = "torch"
+        self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
+
+    @property
+    def kernels_on(self) -> bool:
+        return self.op is not None
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
+    ) -> None:
+        create_full_precision_weight(layer, input_size, output_size, weight_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
+        full = layer.weight.data
+        self.dtype = full.dtype
+        qw = formats.quantize(full, self.spec.scheme, self.spec.group_size, self.spec.symmetric)
+        self.install(layer, qw, kernels)
+
+    def install(self, layer: nn.Module, qw: formats.QuantWeights, kernels: Kernels) -> None:
+        """Replace the layer's checkpoint tensors with `qw`'s and choose the op."""
+        for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
+            delattr(layer, name)
+        self.choose_backend(qw, kernels)
+        if self.op is not None and qw.scheme == "int8_w8a8" and formats.onednn_int8_available():
+            formats.prepack_w8a8(qw)
+        for name, tensor in qw.tensors().items():
+            layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+        self.quant_weights = qw
+
+    def prepare_for_mapping(self, layer: nn.Module) -> None:
+        """Give an unloaded layer the processed tensors' names, shapes and dtypes (left
+        uninitialised) so the weight cache (`load_format="ipc_cache"`) can map its own there."""
+        n, k = layer.output_size, layer.input_size
+        groups = k // self.spec.group_size
+        shapes = {
+            "int8_w8a16": {"weight": ((n, k), torch.int8), "scale": ((n,), torch.float32)},
+            "int8_w8a8": {
+                "weight": ((n, k), torch.int8),
+                "scale": ((n,), torch.float32),
+                "wsum": ((n,), torch.int32),
+            },
+            "fp8_w8a16": {"weight": ((n, k), torch.uint8), "scale": ((n,), torch.float32)},
+            "int4_w4a16": {
+                "weight": ((n, k // 2), torch.uint8),
+                "scale": ((n, groups), torch.float32),
+                **({} if self.spec.symmetric else {"zero": ((n, groups), torch.float32)}),
+            },
+        }[self.spec.scheme]
+        for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
+            delattr(layer, name)
+        for name, (shape, dtype) in shapes.items():
+            layer.register_parameter(
+                name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            )
+
+    def process_weights_after_mapping(self, layer: nn.Module, kernels: Kernels) -> None:
+        """The weight cache mapped the tensors `install` registered: rebuild the view of them."""
+        tensors = {n: p.data for n, p in layer.named_parameters(recurse=False) if n != "bias"}
+        qw = formats.QuantWeights.from_tensors(
+            tensors, self.spec.scheme, self.group_size, layer.output_size, layer.input_size
+        )
+        self.choose_backend(qw, kernels)
+        if self.op is not None and qw.scheme == "int8_w8a8" and formats.onednn_int8_available():
+            formats.prepack_w8a8(qw)
+        self.quant_weights = qw
+
+    @property
+    def group_size(self) -> int:
+        return self.spec.group_size if self.spec.scheme == "int4_w4a16" else 0
+
+    def choose_backend(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
+        op = kernels.op("quant_linear")
+        usable = (
+            op is not None
+            and formats.kernel_supports(qw.scheme)
+            and formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
+        )
+        wanted = self.requested_backend
+        if wanted == "cpu_kernel" and not usable:
+            raise ValueError(
+                f"linear_backend_per_quant asks for cpu_kernel for {qw.scheme}, but "
+                + _why_not(op, qw)
+            )
+        self.op = op if usable and wanted != "torch" else None
+        self.backend = "cpu_kernel" if self.op is not None else "torch"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        qw = self.quant_weights
+        assert qw is not None, "process_weights_after_loading has not run"
+        rows = x.reshape(-1, x.shape[-1])
+        if self.op is None or x.dtype != torch.bfloat16:
+            return _reference(x, qw, bias)
+        m = rows.shape[0]
+        if qw.scheme == "int8_w8a8":
+            if m > MAX_W8A8_KERNEL_ROWS and qw.packed is not None:
+                out = formats.w8a8_large_batch(rows, qw, bias)
+            else:
+                out = self.op(
+                    rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias
+                )
+        elif m > MAX_STREAMING_ROWS:
+            out = F.linear(rows, formats.dequantize(qw).to(x.dtype), bias)
+        else:
+            out = self.op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
+        return out.view(*x.shape[:-1], qw.out_features)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the dequantized weight: the lookup of a quantized embedding table."""
+        qw = self.quant_weights
+        assert qw is not None
+        flat = ids.reshape(-1)
+        picked = formats.QuantWeights(
+            qw.scheme,
+            qw.weight[flat],
+            qw.scale[flat],
+            None if qw.zero is None else qw.zero[flat],
+            None,
+            qw.group_size,
+            flat.numel(),
+            qw.in_features,
+        )
+        rows = formats.dequantize(picked).to(self.dtype)
+        return rows.view(*ids.shape, qw.in_features)
+
+
+def _reference(
+    x: torch.Tensor, qw: formats.QuantWeights, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """The plain-PyTorch path: formats.reference_linear in bf16, the same float32 math
+    rounded to the activation dtype otherwise (a float32 model)."""
+    if x.dtype == torch.bfloat16:
+        return formats.reference_linear(x, qw, bias)
+    rows = x.reshape(-1, qw.in_features).to(torch.float32)
+    if qw.scheme == "int8_w8a8":
+        xq, xs = formats.quantize_per_token(rows)
+        acc = (xq.to(torch.float64) @ qw.weight.to(torch.float64).T).to(torch.float32)
+        y = acc * xs[:, None] * qw.scale
+    else:
+        y = rows @ formats.dequantize(qw).T
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
+
+
+def _why_not(op: object, qw: formats.QuantWeights) -> str:
+    if op is None:
+        return "the engine has no compiled kernels (float32 dtype, kernels off, or CPU lacks AVX512-BF16)"
+    if not formats.kernel_supports(qw.scheme):
+        return "this CPU lacks the instructions it needs (int8_w8a8: AVX512-VNNI)"
+    return (
+        f"the layer's shape (input {qw.in_features}, group {qw.group_size}) is not one the "
+        "kernel takes (input a multiple of 32; int4 groups of a multiple of 32)"
+    )

@@ -1,0 +1,151 @@
+"""Online quantization in the engine, against transformers running the same quantized weights.
+
+The oracle: transformers in float32 with every targeted `nn.Linear`'s weight replaced
+by its quantize-then-dequantize image (and, for int8_w8a8, each input row put through
+the same per-token int8 round trip). Our float32 engine runs the plain-PyTorch
+reference backend, so both compute the same function: logprobs agree to 1e-4, as the
+unquantized models do (tests/test_models.py). The bf16 kernels are checked against
+that reference path in tests/test_quant_kernels.py and, end to end, below.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.quantization import formats
+from tests.conftest import assert_logprobs_match
+
+PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(9 + 5 * i)] for i in range(3)]
+# hidden 64 and intermediate 128 in the tiny configs: int4 groups of 32 fit every input size
+SMALL_GROUPS = {"group_size": 32}
+
+
+def _engine(model_dir, dtype="float32", **kwargs) -> LLM:
+    return LLM(
+        str(model_dir), dtype=dtype, kv_cache_memory_bytes=4 << 20, max_model_len=128, **kwargs
+    )
+
+
+def _run(llm: LLM, max_tokens: int = 6):
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def _layers(llm: LLM) -> dict[str, object]:
+    model = llm.llm_engine.executor.runner.model
+    return {n: m.quant_method for n, m in model.named_modules() if hasattr(m, "quant_method")}
+
+
+def _fake_quantized_hf(model_dir, chosen: dict[str, tuple], w8a8: set[str]):
+    """transformers' model whose linears named in `chosen` (name -> scheme, group size,
+    symmetric) hold dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for name, module in hf.named_modules():
+        if name not in chosen:
+            continue
+        scheme, group, symmetric = chosen[name]
+        qw = formats.quantize(module.weight.data, scheme, group, symmetric)
+        module.weight.data.copy_(formats.dequantize(qw))
+        if name in w8a8:
+            module.register_forward_pre_hook(lambda _m, args: (_per_token_round_trip(args[0]),))
+    return hf
+
+
+def _per_token_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """int8_w8a8's activation quantization, written independently of formats.py."""
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.clamp(torch.round(x / scale), -127, 127) * scale
+
+
+def _hf_names(our_name: str) -> list[str]:
+    """HF module names behind one of ours (the fused layers are separate there)."""
+    parent, _, leaf = our_name.rpartition(".")
+    split = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    return [f"{parent}.{s}" if parent else s for s in split.get(leaf, (leaf,))]
+
+
+def _check_against_oracle(model_dir, llm: LLM) -> int:
+    from minivllm.quantization.method import QuantizedLinearMethod
+
+    chosen, w8a8 = {}, set()
+    for name, method in _layers(llm).items():
+        if isinstance(method, QuantizedLinearMethod):
+            spec = method.spec
+            for hf_name in _hf_names(name):
+                chosen[hf_name] = (spec.scheme, spec.group_size, spec.symmetric)
+                if spec.scheme == "int8_w8a8":
+                    w8a8.add(hf_name)
+    hf = _fake_quantized_hf(model_dir, chosen, w8a8)
+    assert_logprobs_match(hf, PROMPTS, _run(llm))
+    return len(chosen)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "options"),
+    [
+        ("int8", None),
+        ("int8_w8a8", None),
+        ("fp8", None),
+        ("int4", SMALL_GROUPS),
+        ("int4", {**SMALL_GROUPS, "symmetric": False}),
+    ],
+)
+def test_each_scheme_matches_transformers_with_the_same_quantized_weights(
+    make_checkpoint, quantization, options
+) -> None:
+    model_dir = make_checkpoint("Qwen3ForCausalLM")
+    llm = _engine(model_dir, quantization=quantization, quantization_config=options)
+    layers = _layers(llm)
+    assert type(layers["lm_head"]).__name__ == "UnquantizedLinearMethod"  # shorthands skip it
+    quantized = [n for n, m in layers.items() if type(m).__name__ == "QuantizedLinearMethod"]
+    assert len(quantized) == 4 * 2  # qkv, o, gate_up, down in each of the 2 layers
+    assert _check_against_oracle(model_dir, llm) == 7 * 2
+
+
+def test_targets_mix_schemes_and_reach_the_lm_head(make_checkpoint, caplog) -> None:
+    model_dir = make_checkpoint("LlamaForCausalLM")  # untied LM head
+    config = {
+        "targets": {
+            "re:model\\.layers\\.0\\.mlp": {"scheme": "int4_w4a16", "group_size": 32},
+            "re:.*self_attn\\.o_proj": "int8_w8a8",
+            "lm_head": "int8",
+        },
+        "ignore": ["model.layers.1.mlp.*"],  # untargeted: ignoring it is allowed, and moot
+    }
+    with caplog.at_level("INFO", logger="minivllm"):
+        llm = _engine(model_dir, quantization="online", quantization_config=config)
+    kinds = {n: getattr(m, "spec", None) for n, m in _layers(llm).items()}
+    assert kinds["model.layers.0.mlp.down_proj"].scheme == "int4_w4a16"
+    assert kinds["model.layers.1.mlp.down_proj"] is None
+    assert kinds["model.layers.1.self_attn.o_proj"].scheme == "int8_w8a8"
+    assert kinds["model.layers.0.self_attn.qkv_proj"] is None
+    assert kinds["lm_head"].scheme == "int8_w8a16"
+    assert (
+        "quantized 2 layers as int8_w8a8 (from target 're:.*self_attn\\\\.o_proj')" in caplog.text
+    )
+    assert _check_against_oracle(model_dir, llm) == 3 + 2 + 1  # gate, up, down; o_proj x2; head
+
+
+def test_quantized_embedding_table_and_tied_head(make_checkpoint) -> None:
+    model_dir = make_checkpoint("Qwen3ForCausalLM")  # tied embeddings
+    config = {"targets": {"lm_head": "int8", "model.embed_tokens": "int8"}}
+    llm = _engine(model_dir, quantization="online", quantization_config=config)
+    model = llm.llm_engine.executor.runner.model
+    assert model.lm_head.weight.dtype == torch.int8
+    assert model.model.embed_tokens.weight.dtype == torch.int8
+    # the oracle: HF with the tied table quantized (both uses read the same image)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    table = hf.get_input_embeddings().weight
+    table.data.copy_(formats.dequantize(formats.quantize(table.data, "int8_w8a16")))
+    assert_logprobs_match(hf, PROMPTS, _run(llm))
