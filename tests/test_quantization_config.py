@@ -150,3 +150,31 @@ def test_kernel_config_alone_and_from_json() -> None:
         None, None, {"linear_backend_per_quant": {"int4_w4a16": "cpu_kernel"}}
     )
     assert alone.targets == () and alone.backends == {"int4_w4a16": "cpu_kernel"}
+
+
+def test_serve_flags_reach_the_engine_arguments() -> None:
+    from minivllm.entrypoints.cli import build_parser, engine_args_from
+
+    targets = '{"targets": {"*mlp*": "int4"}, "ignore": ["*.0.*"]}'
+    kernel = '{"linear_backend_per_quant": {"int4_w4a16": "torch"}}'
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "m",
+            "--quantization",
+            "online",
+            "--quantization-config",
+            targets,
+            "--kernel-config",
+            kernel,
+        ]
+    )
+    engine = engine_args_from(args)
+    config = resolve_quantization(
+        engine.quantization, engine.quantization_config, engine.kernel_config
+    )
+    assert config.spec_for("m.layers.1.mlp.down_proj", [])[0].scheme == "int4_w4a16"
+    assert config.spec_for("m.layers.0.self_attn.o_proj", []) is None
+    assert config.backends == {"int4_w4a16": "torch"}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--quantization", "int3"])
