@@ -41,12 +41,13 @@ def get_cpu_kernels() -> ModuleType | None:
             "decode_layers.cpp",
             "prefill_attention.cpp",
             "watermark.cpp",
+            "quant_gemm.cpp",
+            "quant_w8a8.cpp",
         )
     ]
-    # cpp_extension rebuilds when the sources or flags change; the header's hash, as a
-    # flag, makes an edit of kernels.h count too
-    with open(os.path.join(here, "kernels.h"), "rb") as f:
-        header_hash = hashlib.sha256(f.read()).hexdigest()[:16]
+    # cpp_extension rebuilds when the sources or flags change; the headers' hash, as a
+    # flag, makes an edit of kernels.h or quant_rows.h count too
+    header_hash = _headers_hash(here)
     if not os.path.exists(os.path.join(build_dir, "minivllm_cpu_kernels.so")):
         logger.info(
             "compiling minivllm's CPU kernels into %s (first run only, about a minute)", build_dir
@@ -61,6 +62,14 @@ def get_cpu_kernels() -> ModuleType | None:
             logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
             os.remove(stale)
         return _build(build_dir, sources, header_hash)
+
+
+def _headers_hash(here: str) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(here) if f.endswith(".h")):
+        with open(os.path.join(here, name), "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()[:16]
 
 
 def _build(build_dir: str, sources: list[str], header_hash: str) -> ModuleType | None:

@@ -9,7 +9,8 @@
 // The layer: x -> RMSNorm -> QKV (+bias) -> [q/k RMSNorm per head] -> rotary ->
 // write k, v to the paged cache -> paged attention -> O -> add & RMSNorm -> gate/up
 // -> SiLU-and-mul -> down; the residual stream is carried in bf16 as in the
-// Python path.
+// Python path. A linear may be quantized (quant_gemm.cpp's formats): each has a kind,
+// 0 for bf16, and its scales and the like.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
@@ -56,11 +57,29 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return stack[0].toTensor();
 }
 
-// The weight-streaming kernel up to max_kernel_rows rows (or without a packed copy).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
-                     const torch::Tensor& packed, int64_t max_kernel_rows) {
-  if (packed.numel() && x.size(0) > max_kernel_rows) return packed_linear(x, packed, bias);
-  return gemv_bf16(x, w, maybe(bias));
+// One linear layer's weight as the step reads it: bf16 (kind 0, with its oneDNN-packed
+// copy or an empty tensor), or quantized (quant_linear's kinds) with [scale, zero, wsum,
+// packed] in `quant` (empty tensors for none; packed: int8_w8a8's oneDNN copy).
+struct Linear {
+  const torch::Tensor& w;
+  const torch::Tensor& bias;
+  const torch::Tensor& packed;
+  int64_t kind;
+  const torch::Tensor* quant;
+};
+
+// The weight-streaming kernels up to their row limits, oneDNN on a packed copy past them.
+torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel_rows,
+                     int64_t max_w8a8_kernel_rows) {
+  if (l.kind == 0) {
+    if (l.packed.numel() && x.size(0) > max_kernel_rows) return packed_linear(x, l.packed, l.bias);
+    return gemv_bf16(x, l.w, maybe(l.bias));
+  }
+  const torch::Tensor *scale = l.quant, *zero = l.quant + 1, *wsum = l.quant + 2, *packed = l.quant + 3;
+  if (l.kind == 4 && packed->defined() && packed->numel() && x.size(0) > max_w8a8_kernel_rows)
+    return w8a8_onednn_linear(x, *packed, *scale, l.bias);
+  const int64_t group_size = l.kind == 2 ? x.size(1) / scale->size(1) : 0;  // int4's scale: [N, K / G]
+  return quant_linear(x, l.kind, l.w, *scale, maybe(*zero), maybe(*wsum), group_size, maybe(l.bias));
 }
 
 }  // namespace
@@ -87,7 +106,9 @@ void write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, to
 // hidden: [B, H] embeddings of the step's tokens; returns the final-normed hidden [B, H].
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                   std::vector<torch::Tensor> packed, int64_t max_kernel_rows,
-                                  std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
+                                  std::vector<int64_t> quant_kinds, std::vector<torch::Tensor> quant,
+                                  int64_t max_w8a8_kernel_rows, std::vector<torch::Tensor> kv_caches,
+                                  std::vector<int64_t> windows,
                                   torch::Tensor final_norm, torch::Tensor positions,
                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
                                   torch::Tensor seq_lens, torch::Tensor cos, torch::Tensor sin,
@@ -96,6 +117,8 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == L * NUM_SLOTS, "weights: 12 per layer");
   TORCH_CHECK(static_cast<int64_t>(packed.size()) == L * 4, "packed: qkv, o, gate_up, down per layer");
+  TORCH_CHECK(static_cast<int64_t>(quant_kinds.size()) == L * 4, "quant_kinds: one per linear");
+  TORCH_CHECK(static_cast<int64_t>(quant.size()) == L * 16, "quant: scale, zero, wsum, packed per linear");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "one window per layer");
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "hidden: bf16 [B, H]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
@@ -112,7 +135,12 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
       h = fused_add_rms_norm(h, residual, w[IN_NORM], eps);
     }
     const torch::Tensor* pk = packed.data() + l * 4;  // empty tensors where not packed
-    torch::Tensor qkv = linear(h, w[QKV_W], w[QKV_B], pk[0], max_kernel_rows);  // [B, q + 2 kv]
+    auto lin = [&](int i, Slot weight, Slot bias) {  // linear i of the layer: qkv, o, gate_up, down
+      return Linear{w[weight], w[bias], pk[i], quant_kinds[l * 4 + i], quant.data() + (l * 4 + i) * 4};
+    };
+    const Linear qkv_proj = lin(0, QKV_W, QKV_B), o_proj = lin(1, O_W, O_B);
+    const Linear gate_up_proj = lin(2, GATE_UP_W, GATE_UP_B), down_proj = lin(3, DOWN_W, DOWN_B);
+    torch::Tensor qkv = linear(h, qkv_proj, max_kernel_rows, max_w8a8_kernel_rows);  // [B, q + 2 kv]
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, D});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, D});
     if (w[Q_NORM].numel()) q = rms_norm(q, w[Q_NORM], eps);
@@ -125,10 +153,10 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
                 num_kv_heads, D);
     torch::Tensor attn = paged_attention_decode(q, cache[0], cache[1], block_tables, seq_lens, scale,
                                                 windows[l]);
-    torch::Tensor o = linear(attn.view({B, q_size}), w[O_W], w[O_B], pk[1], max_kernel_rows);
+    torch::Tensor o = linear(attn.view({B, q_size}), o_proj, max_kernel_rows, max_w8a8_kernel_rows);
     h = fused_add_rms_norm(o, residual, w[POST_NORM], eps);
-    torch::Tensor act = silu_and_mul(linear(h, w[GATE_UP_W], w[GATE_UP_B], pk[2], max_kernel_rows));
-    h = linear(act, w[DOWN_W], w[DOWN_B], pk[3], max_kernel_rows);
+    torch::Tensor act = silu_and_mul(linear(h, gate_up_proj, max_kernel_rows, max_w8a8_kernel_rows));
+    h = linear(act, down_proj, max_kernel_rows, max_w8a8_kernel_rows);
   }
   return fused_add_rms_norm(h, residual, final_norm, eps);
 }

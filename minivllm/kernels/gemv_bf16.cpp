@@ -146,6 +146,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_bf16", &argmax_bf16, "row-wise argmax of bf16 logits", nogil);
   m.def("watermark_argmax", &watermark_argmax, "keyed Gumbel-max over each row (philox4x32-10-v1)", nogil);
   m.def("gemv_bf16", &gemv_bf16, "bf16 weight-streaming GEMV (AVX512-BF16)", nogil);
+  m.def("quant_linear", &quant_linear,
+        "x @ W^T + b on int8/int4/fp8 weights (minivllm/quantization/formats.py)", nogil);
+  m.def("quantize_per_token_int8", &quantize_per_token_int8,
+        "bf16 rows -> int8 and per-row scales (amax / 127)", nogil);
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);
   m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache", nogil);
   m.def("write_kv_cache", &write_kv_cache, "write a step's keys and values into the paged cache", nogil);

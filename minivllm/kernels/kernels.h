@@ -6,6 +6,7 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <tuple>
 #include <vector>
 
 // exp(x) for 16 fp32 lanes: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with a
@@ -74,9 +75,21 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor argmax_bf16(torch::Tensor logits);
 torch::Tensor watermark_argmax(torch::Tensor probs, torch::Tensor states, torch::Tensor keys);
+// Quantized weights (quant_gemm.cpp, quant_w8a8.cpp; formats in minivllm/quantization/formats.py).
+// kind: 1 int8_w8a16, 2 int4_w4a16, 3 fp8_w8a16, 4 int8_w8a8.
+torch::Tensor quant_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
+                           c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> wsum,
+                           int64_t group_size, c10::optional<torch::Tensor> bias);
+void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
+                 const torch::Tensor& wsum, const at::BFloat16* bias, torch::Tensor& y);
+std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x);
+torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                 const torch::Tensor& scale, const torch::Tensor& bias);
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                   std::vector<torch::Tensor> packed, int64_t max_kernel_rows,
-                                  std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
+                                  std::vector<int64_t> quant_kinds, std::vector<torch::Tensor> quant,
+                                  int64_t max_w8a8_kernel_rows, std::vector<torch::Tensor> kv_caches,
+                                  std::vector<int64_t> windows,
                                   torch::Tensor final_norm, torch::Tensor positions,
                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
                                   torch::Tensor seq_lens, torch::Tensor cos, torch::Tensor sin,

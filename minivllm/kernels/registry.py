@@ -73,6 +73,8 @@ register_family(
             "argmax_bf16",
             "llama_decode_layers",
             "watermark_argmax",
+            "quant_linear",
+            "quantize_per_token_int8",
         )
     },
 )

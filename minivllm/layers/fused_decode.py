@@ -5,8 +5,14 @@ At batch 1 the weights stream in ~40 ms per token and the Python glue between
 bf16 kernels in the same order without it, so its results equal the per-layer
 path's bit for bit. The model describes its layers (`DecoderStackParts`, built by
 the model file); this module only checks that every part is on the kernel path
-(bf16 CPU kernels, one tensor-parallel rank, unquantized linears, one neox rotary
-shared by all layers, the cpu attention backend) and says why not where one is not.
+(bf16 CPU kernels, one tensor-parallel rank, linears that are bf16 on the CPU kernel or
+quantized in a format the kernels take, one neox rotary shared by all layers, the cpu
+attention backend) and says why not where one is not.
+
+A quantized linear qualifies when its method exposes `quant_weights`, a
+`quantization.formats.QuantWeights` the kernels support on this CPU and shape, and keeps
+`kernels_on` true (it runs `quant_linear` itself); the step then gets, per linear, its
+kind and [scale, zero, wsum, oneDNN-packed int8] (empty tensors for none).
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.layers.rotary import RotaryEmbedding
+from minivllm.quantization.formats import (
+    W8A8_MAX_KERNEL_ROWS,
+    QuantWeights,
+    kernel_supports,
+    kernel_supports_shape,
+)
 
 
 @dataclass(slots=True)
@@ -88,11 +100,9 @@ def why_not_fused(parts: DecoderStackParts, backend: AttentionBackend) -> str | 
         if not backend.supports_decode(layer.attn.head_dim):
             return f"head size {layer.attn.head_dim} is not one the decode kernel takes"
         for linear in layer.linears:
-            method = linear.quant_method
-            if type(method) is not UnquantizedLinearMethod or method.cpu_kernel is None:
-                return "a linear layer is quantized or not on the CPU kernel"
-            if linear.tp_size != 1:
-                return "tensor parallelism splits the layers"
+            reason = _why_not_kernel_linear(linear)
+            if reason is not None:
+                return reason
         if any(not norm.uses_kernels for norm in layer.norms):
             return "a norm is not on the kernel path"
         if type(layer.act) is not SiluAndMul or not layer.act.uses_kernels:
@@ -100,6 +110,30 @@ def why_not_fused(parts: DecoderStackParts, backend: AttentionBackend) -> str | 
         eps |= {norm.eps for norm in layer.norms}
     if len(eps) != 1:
         return "the norms use different epsilons"
+    return None
+
+
+def _why_not_kernel_linear(linear: LinearBase) -> str | None:
+    if linear.tp_size != 1:
+        return "tensor parallelism splits the layers"
+    method = linear.quant_method
+    if type(method) is UnquantizedLinearMethod:
+        return None if method.cpu_kernel is not None else "a linear layer is not on the CPU kernel"
+    weights = _quant_weights(linear)
+    if weights is None:
+        return f"a linear layer's {type(method).__name__} has no kernel-format weights"
+    scheme, k = weights.scheme, weights.in_features
+    if not kernel_supports(scheme) or not kernel_supports_shape(scheme, k, weights.group_size):
+        return f"the {scheme} kernel does not run on this CPU or takes no K={k}"
+    return None
+
+
+def _quant_weights(linear: LinearBase) -> QuantWeights | None:
+    """The kernel-format weights of a quantized linear whose method runs the kernels."""
+    method = linear.quant_method
+    weights = getattr(method, "quant_weights", None)
+    if isinstance(weights, QuantWeights) and getattr(method, "kernels_on", False):
+        return weights
     return None
 
 
@@ -117,26 +151,40 @@ class FusedLlamaDecode:
         self.windows = [a.sliding_window or 0 for a in self.attention]
         none = torch.empty(0, dtype=torch.bfloat16)
         self.weights: list[torch.Tensor] = []
-        # oneDNN-prepacked copies (or empty) for batches over MAX_KERNEL_ROWS_PACKED rows
+        # per linear: bf16's oneDNN-prepacked copy (or empty), for batches over
+        # MAX_KERNEL_ROWS_PACKED rows; the quantization kind (0: bf16) and its tensors
         self.packed: list[torch.Tensor] = []
+        self.quant_kinds: list[int] = []
+        self.quant: list[torch.Tensor] = []
         for layer in parts.layers:
-            self.packed += [
-                _or(lin.quant_method.cpu_kernel.packed_weight, none) for lin in layer.linears
-            ]
+            for linear in layer.linears:
+                self._add_linear(linear, none)
             self.weights += [
                 layer.input_norm.weight,
-                layer.qkv_proj.weight,
+                _weight(layer.qkv_proj),
                 _or(layer.qkv_proj.bias, none),
                 none if layer.q_norm is None else layer.q_norm.weight,
                 none if layer.k_norm is None else layer.k_norm.weight,
-                layer.o_proj.weight,
+                _weight(layer.o_proj),
                 _or(layer.o_proj.bias, none),
                 layer.post_norm.weight,
-                layer.gate_up_proj.weight,
+                _weight(layer.gate_up_proj),
                 _or(layer.gate_up_proj.bias, none),
-                layer.down_proj.weight,
+                _weight(layer.down_proj),
                 _or(layer.down_proj.bias, none),
             ]
+
+    def _add_linear(self, linear: LinearBase, none: torch.Tensor) -> None:
+        weights = _quant_weights(linear)
+        if weights is None:
+            self.packed.append(_or(linear.quant_method.cpu_kernel.packed_weight, none))
+            self.quant_kinds.append(0)
+            self.quant += [none] * 4
+            return
+        self.packed.append(none)
+        self.quant_kinds.append(weights.kind)
+        self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
+        self.quant.append(_or(weights.packed, none))
 
     @classmethod
     def build(
@@ -163,6 +211,9 @@ class FusedLlamaDecode:
             self.weights,
             self.packed,
             MAX_KERNEL_ROWS_PACKED,
+            self.quant_kinds,
+            self.quant,
+            W8A8_MAX_KERNEL_ROWS,
             [a.kv_cache for a in self.attention],
             self.windows,
             self.final_norm,
@@ -178,6 +229,11 @@ class FusedLlamaDecode:
             self.eps,
             self.scale,
         )
+
+
+def _weight(linear: LinearBase) -> torch.Tensor:
+    weights = _quant_weights(linear)
+    return linear.weight if weights is None else weights.weight
 
 
 def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:

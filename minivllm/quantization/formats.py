@@ -19,6 +19,7 @@ The int4 nibbles are packed so that one 16-byte load, widened to 16-bit lanes, g
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +144,8 @@ def from_int8_values(q: Tensor, scale: Tensor, scheme: str = "int8_w8a16") -> Qu
     """int8 q [N, K] and per-channel scale [N], w = q * scale: no re-quantization."""
     if q.dtype != torch.int8 or scheme not in ("int8_w8a16", "int8_w8a8"):
         raise ValueError(f"want int8 values for an int8 scheme, got {q.dtype} for {scheme!r}")
+    # -128 is fine (compressed-tensors' symmetric scale is max|w|/127.5, so its checkpoints
+    # have it): VNNI multiplies u8 by s8 into int32 lanes, and the reference is exact
     q = q.contiguous()
     wsum = q.sum(dim=1, dtype=torch.int32) if scheme == "int8_w8a8" else None
     n, k = q.shape
@@ -311,6 +314,11 @@ def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) ->
 # -- int8_w8a8 for large batches: oneDNN on a prepacked copy ---------------------------------
 
 PACK_BATCH_HINT = 128  # the batch size oneDNN picks its packed layout for
+# rows up to which the VNNI kernel beats oneDNN's int8 GEMM (AMX there) on a prepacked
+# copy: measured on a 2-core Xeon over Qwen3-0.6B's linear shapes with the weights streamed
+# from memory, the kernel is ahead up to 12 rows (1.0-1.2x at 12, 1.4-1.6x at 8), oneDNN
+# from 16 on three shapes of four (1.1-1.2x); with the weights in cache oneDNN wins from 10
+W8A8_MAX_KERNEL_ROWS = 12
 
 
 def onednn_int8_available() -> bool:
@@ -329,7 +337,10 @@ def prepack_w8a8(qw: QuantWeights) -> None:
 
 
 def w8a8_large_batch(
-    x: Tensor, qw: QuantWeights, bias: Tensor | None = None, quantize_rows=None
+    x: Tensor,
+    qw: QuantWeights,
+    bias: Tensor | None = None,
+    quantize_rows: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> Tensor:
     """int8_w8a8 through oneDNN's int8 GEMM on `qw.packed` (AMX where present): the same
     numbers as `reference_linear` (exact int32 sums), faster than the VNNI kernel from a

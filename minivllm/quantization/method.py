@@ -34,10 +34,10 @@ from minivllm.quantization.config import SchemeSpec
 
 logger = logging.getLogger("minivllm")
 
-# rows up to which the weight-streaming kernels beat dequantize-then-GEMM (weight-only
-# schemes) and oneDNN's int8 GEMM (w8a8); measured in docs/quantization.md
+# rows up to which the weight-streaming kernels run the weight-only schemes; past them the
+# weight is dequantized to bf16 for oneDNN's GEMM (prefill). int8_w8a8's crossover to
+# oneDNN's int8 GEMM is formats.W8A8_MAX_KERNEL_ROWS.
 MAX_STREAMING_ROWS = 64
-MAX_W8A8_KERNEL_ROWS = 64
 
 
 class QuantizedLinearMethod(LinearMethodBase):
@@ -53,6 +53,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.source = source  # "online", or the checkpoint format that quantized it
         self.quant_weights: formats.QuantWeights | None = None
         self.op = None  # the compiled quant_linear, where used
+        self.quantize_rows = None  # the compiled per-token int8 quantizer, with it
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
 
@@ -137,6 +138,7 @@ class QuantizedLinearMethod(LinearMethodBase):
                 + _why_not(op, qw)
             )
         self.op = op if usable and wanted != "torch" else None
+        self.quantize_rows = kernels.op("quantize_per_token_int8") if self.op is not None else None
         self.backend = "cpu_kernel" if self.op is not None else "torch"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -147,8 +149,8 @@ class QuantizedLinearMethod(LinearMethodBase):
             return _reference(x, qw, bias)
         m = rows.shape[0]
         if qw.scheme == "int8_w8a8":
-            if m > MAX_W8A8_KERNEL_ROWS and qw.packed is not None:
-                out = formats.w8a8_large_batch(rows, qw, bias)
+            if m > formats.W8A8_MAX_KERNEL_ROWS and qw.packed is not None:
+                out = formats.w8a8_large_batch(rows, qw, bias, self.quantize_rows)
             else:
                 out = self.op(
                     rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias

@@ -1,0 +1,208 @@
+// int8_w8a8: int8 weights times int8 activations quantized per token in the kernel.
+//
+// Each row of x is quantized as formats.quantize_per_token does, bit for bit:
+// xs = amax|x| / 127 (1 for a zero row), xq = clamp(round(x / xs), -127, 127), with a true
+// division and rounding half to even. vpdpbusd (AVX512-VNNI) multiplies unsigned by signed
+// bytes, 64 products a step into int32 lanes, so x goes in as xq + 128 and the sums are
+// corrected with the weight's row sums: sum_k (xq + 128) q = sum_k xq q + 128 wsum[n].
+// y = (acc - 128 wsum[n]) * xs[m] * scale[n] + bias, exact up to the float products.
+//
+// The VNNI code is compiled for that extension alone (the pragma below), so the rest of
+// the module runs on CPUs without it; quant_linear refuses kind 4 there.
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// Quantizes one row of x (K % 16 == 0) into q (+ offset) and returns its scale. The
+// divisions use the rounding-mode forms, which -ffast-math cannot turn into reciprocals.
+template <typename Out>
+float quantize_row(const bf16* x, int64_t K, Out* q, int offset) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(x + k)));
+  const float top = _mm512_reduce_max_ps(amax);
+  const float xs = top > 0.f ? _mm_cvtss_f32(_mm_div_round_ss(_mm_set_ss(top), _mm_set_ss(127.f), kRound)) : 1.f;
+  const __m512 vs = _mm512_set1_ps(xs);
+  const __m512i lo = _mm512_set1_epi32(-127 + offset), hi = _mm512_set1_epi32(127 + offset);
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512i v = _mm512_cvt_roundps_epi32(_mm512_div_round_ps(load_bf16x16(x + k), vs, kRound), kRound);
+    v = _mm512_min_epi32(_mm512_max_epi32(_mm512_add_epi32(v, _mm512_set1_epi32(offset)), lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtepi32_epi8(v));
+  }
+  return xs;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512vnni")
+
+// out[m * R + r] = sum_k xu[m, k] * w[r, k] in int32, over `units` of 64 k (the last one
+// of 32 where half_tail); `wnext`: the next block, prefetched into L2 meanwhile.
+template <int MR, int R>
+inline void vnni_tile(const int8_t* w, int64_t K, const uint8_t* xu, int64_t ldx, int64_t units,
+                      bool half_tail, const int8_t* wnext, int32_t* out) {
+  __m512i acc[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_si512();
+  for (int64_t u = 0; u < units; ++u) {
+    const __mmask64 live = half_tail && u == units - 1 ? 0xFFFFFFFFull : ~0ull;
+    __m512i wv[R];
+    for (int r = 0; r < R; ++r) {
+      if (wnext) _mm_prefetch(reinterpret_cast<const char*>(wnext + r * K + u * 64), _MM_HINT_T1);
+      wv[r] = _mm512_maskz_loadu_epi8(live, w + r * K + u * 64);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xu + m * ldx + u * 64);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) out[m * R + r] = _mm512_reduce_add_epi32(acc[m][r]);
+}
+
+template <int MR, int R>
+inline void vnni_rows(int rows, const int8_t* w, int64_t K, const uint8_t* xu, int64_t ldx,
+                      int64_t units, bool half_tail, const int8_t* wnext, int32_t* out) {
+  switch (rows) {
+#define MINIVLLM_VTILE(n) \
+  case n:                 \
+    if constexpr (n <= MR) vnni_tile<n, R>(w, K, xu, ldx, units, half_tail, wnext, out); \
+    break;
+    MINIVLLM_VTILE(1)
+    MINIVLLM_VTILE(2)
+    MINIVLLM_VTILE(3)
+    MINIVLLM_VTILE(4)
+#undef MINIVLLM_VTILE
+    default: break;
+  }
+}
+
+struct W8A8 {
+  const int8_t* w;
+  const uint8_t* xu;  // [M, ldx]: xq + 128, zeros past K
+  int64_t ldx, M, N, K, units;
+  bool half_tail;
+  const float *xs, *scale;
+  const int32_t* wsum;
+  const bf16* bias;
+  bf16* y;
+
+  void store(const int32_t* out, int R, int rows, int64_t n0, int64_t m0, int mr) const {
+    for (int m = 0; m < mr; ++m)
+      for (int r = 0; r < rows; ++r) {
+        const int64_t n = n0 + r;
+        float v = static_cast<float>(out[m * R + r] - 128 * wsum[n]) * xs[m0 + m] * scale[n];
+        if (bias) v += static_cast<float>(bias[n]);
+        y[(m0 + m) * N + n] = bf16(v);
+      }
+  }
+};
+
+// Blocks of R weight rows split across threads; each multiplied with x in MR-row tiles
+// (the block is read from L1 after the first), prefetching PREFETCH_AHEAD blocks ahead.
+template <int MR, int R, int PREFETCH_AHEAD>
+void w8a8_blocks(const W8A8& p) {
+  const int64_t num_blocks = (p.N + R - 1) / R;
+  at::parallel_for(0, num_blocks, 4, [&](int64_t begin, int64_t end) {
+    int32_t out[MR * R];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R, rows = std::min<int64_t>(R, p.N - n0);
+      const int8_t* w = p.w + n0 * p.K;
+      const int8_t* wnext = p.w + std::min(n0 + PREFETCH_AHEAD * R, p.N - R) * p.K;
+      for (int64_t m0 = 0; m0 < p.M; m0 += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
+        const uint8_t* xu = p.xu + m0 * p.ldx;
+        if (rows == R) {
+          vnni_rows<MR, R>(mr, w, p.K, xu, p.ldx, p.units, p.half_tail, wnext, out);
+        } else {
+          for (int r = 0; r < rows; ++r) {
+            int32_t one[MR];
+            vnni_rows<MR, 1>(mr, w + r * p.K, p.K, xu, p.ldx, p.units, p.half_tail, nullptr, one);
+            for (int m = 0; m < mr; ++m) out[m * R + r] = one[m];
+          }
+        }
+        p.store(out, R, static_cast<int>(rows), n0, m0, mr);
+      }
+    }
+  });
+}
+
+void w8a8_run(const W8A8& p) {
+  if (p.M == 1)
+    w8a8_blocks<1, 8, 4>(p);
+  else
+    w8a8_blocks<4, 6, 1>(p);
+}
+
+#pragma GCC pop_options
+
+}  // namespace
+
+void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
+                 const torch::Tensor& wsum, const bf16* bias, torch::Tensor& y) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512vnni"), "quant_linear: int8_w8a8 needs AVX512-VNNI");
+  const int64_t M = x.size(0), K = x.size(1), units = (K + 63) / 64, ldx = units * 64;
+  auto xu = torch::zeros({M, ldx}, x.options().dtype(at::kByte));
+  auto xs = torch::empty({M}, x.options().dtype(at::kFloat));
+  for (int64_t m = 0; m < M; ++m)
+    xs.data_ptr<float>()[m] = quantize_row(x.data_ptr<bf16>() + m * K, K, xu.data_ptr<uint8_t>() + m * ldx, 128);
+  W8A8 p{static_cast<const int8_t*>(weight.data_ptr()), xu.data_ptr<uint8_t>(), ldx, M, weight.size(0), K,
+         units, K % 64 != 0, xs.data_ptr<float>(), scale.data_ptr<float>(), wsum.data_ptr<int32_t>(),
+         bias, y.data_ptr<bf16>()};
+  w8a8_run(p);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "quantize_per_token_int8: x must be bf16 [M, K]");
+  TORCH_CHECK(x.size(1) % 16 == 0, "quantize_per_token_int8: K must be a multiple of 16, got ", x.size(1));
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto q = torch::empty({M, K}, x.options().dtype(at::kChar));
+  auto xs = torch::empty({M}, x.options().dtype(at::kFloat));
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      xs.data_ptr<float>()[m] = quantize_row(x.data_ptr<bf16>() + m * K, K, q.data_ptr<int8_t>() + m * K, 0);
+  });
+  return {q, xs};
+}
+
+// For batches past the VNNI kernel's rows: oneDNN's int8 GEMM on its prepacked copy of the
+// weight (formats.prepack_w8a8), as formats.w8a8_large_batch does from Python:
+// y = (acc * scale[n]) * xs[m] + bias. The op has no public C++ entry point, hence the
+// dispatcher.
+torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                 const torch::Tensor& scale, const torch::Tensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
+  auto [xq, xs] = quantize_per_token_int8(x);
+  std::vector<c10::IValue> stack;
+  stack.emplace_back(xq);
+  stack.emplace_back(1.0);  // x scale and zero point: xs is applied after
+  stack.emplace_back(int64_t{0});
+  stack.emplace_back(packed);
+  stack.emplace_back(scale);
+  stack.emplace_back(torch::zeros({scale.size(0)}, scale.options().dtype(at::kLong)));
+  stack.emplace_back(c10::IValue());  // bias: added after the scaling, in float32
+  stack.emplace_back(1.0);            // output scale and zero point
+  stack.emplace_back(int64_t{0});
+  stack.emplace_back(c10::IValue(at::kFloat));
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+  stack.emplace_back(std::string(""));
+  op.callBoxed(&stack);
+  torch::Tensor y = stack[0].toTensor().mul_(xs.unsqueeze(1));
+  if (bias.numel()) y.add_(bias.to(at::kFloat));
+  return y.to(at::kBFloat16);
+}
