@@ -146,6 +146,11 @@ def test_unsupported_checkpoint_quantization_is_refused(tmp_path) -> None:
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ValueError, match="does not load"):
         _engine(path)
+    config["quantization_config"]["format"] = "sparse-24-bitmask"
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = "sparse-24-bitmask"
+    json.dump(config, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ValueError, match="'sparse-24-bitmask' format"):
+        _engine(path)
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
     json.dump(config, open(os.path.join(path, "config.json"), "w"))
     with pytest.raises(ValueError, match="'gptq' are not supported"):

@@ -188,3 +188,21 @@ def test_bf16_kernels_agree_with_the_reference_backend(make_checkpoint, quantiza
                 - reference.prompt_logprobs[pos][token].logprob
             )
             assert abs(diff) < 0.05, (pos, diff)
+
+
+def test_shard_targets_count_as_used_and_w8a8_embeddings_are_refused(
+    make_checkpoint, caplog
+) -> None:
+    model_dir = make_checkpoint("Qwen3ForCausalLM")
+    shards = {f"*.{p}": "int8" for p in ("q_proj", "k_proj", "v_proj")} | {"*.nothing": "int8"}
+    with caplog.at_level("WARNING", logger="minivllm"):
+        llm = _engine(model_dir, quantization="online", quantization_config={"targets": shards})
+    assert _layers(llm)["model.layers.0.self_attn.qkv_proj"].spec.scheme == "int8_w8a16"
+    assert "'*.nothing' matched no layer" in caplog.text
+    assert "'*.q_proj' matched no layer" not in caplog.text
+    with pytest.raises(ValueError, match="no activations to quantize"):
+        _engine(
+            model_dir,
+            quantization="online",
+            quantization_config={"targets": {"model.embed_tokens": "int8_w8a8"}},
+        )

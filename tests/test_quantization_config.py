@@ -82,6 +82,12 @@ def test_ignore_carves_layers_out_of_a_shorthand() -> None:
         )
 
 
+def test_top_level_options_are_int4_defaults() -> None:
+    config = online({"*mlp*": "int4", "*attn*": "int8"}, symmetric=False, group_size=64)
+    assert config.spec_for("m.mlp.down_proj", [])[0] == SchemeSpec("int4_w4a16", 64, False)
+    assert config.spec_for("m.self_attn.o_proj", [])[0] == SchemeSpec("int8_w8a16")
+
+
 def test_a_layer_matching_two_targets_is_an_error() -> None:
     config = online({"*mlp*": "int4", "*down_proj": "int8"})
     with pytest.raises(ValueError, match="more than one target"):
@@ -94,6 +100,8 @@ def test_fused_layers_by_their_own_name_or_by_every_shard() -> None:
     shards = online({"*.q_proj": "int8", "*.k_proj": "int8", "*.v_proj": "int8"})
     assert shards.spec_for(fused, QKV)[0].scheme == "int8_w8a16"
     assert online({"*o_proj": "int8"}).spec_for(fused, QKV) is None
+    with pytest.raises(ValueError, match="not all its shards"):  # "*v_proj" also hits qkv_proj
+        online({"*v_proj": "int8"}).spec_for(fused, QKV)
     with pytest.raises(ValueError, match="different schemes"):
         online({"*.q_proj": "int8", "*.k_proj": "int4", "*.v_proj": "int8"}).spec_for(fused, QKV)
     with pytest.raises(ValueError, match="not all targeted"):

@@ -440,13 +440,12 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
     assert layer.weight.dtype == torch.uint8 and layer.zero is not None
     assert "memfd:minivllm-weights" in mapping_of(layer.weight.data_ptr())[1]
     assert model_of(llm).lm_head.weight.dtype == torch.int8
-    # a daemon holding the unquantized model does not serve a quantized engine
+    # a daemon holding another quantization does not serve the engine: the key says which
     with pytest.raises(WeightCacheMismatchError, match="quant"):
-        other = {**extra}
         LLM(
             str(bf16_dir),
             load_format="ipc_cache",
-            model_loader_extra_config=other,
+            model_loader_extra_config=extra,
             **ENGINE,
             quantization="int8",
         )

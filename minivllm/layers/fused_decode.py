@@ -121,7 +121,7 @@ def _why_not_kernel_linear(linear: LinearBase) -> str | None:
         return None if method.cpu_kernel is not None else "a linear layer is not on the CPU kernel"
     weights = _quant_weights(linear)
     if weights is None:
-        return f"a linear layer's {type(method).__name__} has no kernel-format weights"
+        return f"a linear layer's {type(method).__name__} does not run on the CPU kernels"
     scheme, k = weights.scheme, weights.in_features
     if not kernel_supports(scheme) or not kernel_supports_shape(scheme, k, weights.group_size):
         return f"the {scheme} kernel does not run on this CPU or takes no K={k}"

@@ -65,7 +65,8 @@ def assign_quant_methods(
         _swap(model, name, module, QuantizedLinearMethod(spec, backends.get(spec.scheme)), False)
         chosen[(str(spec), f"target {pattern!r}")][_kind(name)] += 1
     if config is not None:
-        for pattern in config.unused_targets([n for n, _ in modules]):
+        names = [n for name, _ in modules for n in (name, *shard_names(model, name))]
+        for pattern in config.unused_targets(names):
             logger.warning("quantization target %r matched no layer of the model", pattern)
     for (scheme, origin), kinds in chosen.items():
         listing = ", ".join(f"{kind}: {count}" for kind, count in sorted(kinds.items()))
@@ -82,6 +83,11 @@ def _swap(model: nn.Module, name: str, module: nn.Module, method, recreate: bool
         if recreate:
             raise ValueError(
                 f"{name}: a quantized embedding table in the checkpoint is not supported"
+            )
+        if method.spec.scheme == "int8_w8a8":
+            raise ValueError(
+                f"{name}: an embedding lookup has no activations to quantize; target it with "
+                "a weight-only scheme (int8, int4, fp8)"
             )
     if recreate:
         if isinstance(module, ParallelLMHead) and _is_tied(model, module):

@@ -29,6 +29,7 @@ from typing import Any
 
 from minivllm.quantization.config import SchemeSpec
 
+_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _SUPPORTED = (
     "int8 weights per channel (symmetric), activations unquantized or dynamic per-token int8; "
     "int4 weights in groups; fp8 e4m3 weights per channel"
@@ -117,6 +118,18 @@ def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | Non
     groups = []
     for name, group in (quant.get("config_groups") or {}).items():
         fmt = str(group.get("format") or quant.get("format") or "naive-quantized")
+        if fmt not in _FORMATS:
+            raise ValueError(
+                f"compressed-tensors group {name!r} uses the {fmt!r} format; minivllm loads "
+                f"{', '.join(_FORMATS)}"
+            )
+        targets = group.get("targets") or ()
+        odd = [t for t in targets if not (t.startswith("re:") or t == "Linear" or "." in t)]
+        if odd:
+            raise ValueError(
+                f"compressed-tensors group {name!r} targets {odd}: minivllm matches the class "
+                "name 'Linear', module names and 're:' patterns"
+            )
         stored = StoredScheme(_scheme_of(name, group), fmt)
         groups.append(ConfigGroup(tuple(group.get("targets") or ()), stored))
     if not groups:

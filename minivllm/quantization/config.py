@@ -96,20 +96,35 @@ class QuantizationConfig:
             )
         ignored = self._ignored(name) or (bool(shards) and all(ignored_shards))
         target = self._match_one(name)
-        if target is None and shards:
-            target = self._shared_target(name, shards)
+        if shards:  # the shards must agree with a match on the fused name ("*v_proj" hits qkv_proj)
+            shared = self._shared_target(name, shards, fused_hit=target)
+            if shared is not None:
+                if target is not None and shared.spec != target.spec:
+                    raise ValueError(
+                        f"{name}: the target {target.pattern!r} (on the fused name) and "
+                        f"{shared.pattern!r} (on its shards) give different schemes"
+                    )
+                target = shared
         if target is None or (ignored and self.ignore_excludes):
             return None
         if ignored:
             raise ValueError(f"{name} matches both `ignore` and the target {target.pattern!r}")
         return target.spec, target.pattern
 
-    def _shared_target(self, name: str, shards: list[str]) -> Target | None:
+    def _shared_target(
+        self, name: str, shards: list[str], fused_hit: Target | None = None
+    ) -> Target | None:
         """The one target all shards of a fused layer match, None if none matches any."""
         picks = [self._match_one(s) for s in shards]
         if all(p is None for p in picks):
             return None
         if any(p is None for p in picks):
+            if fused_hit is not None:
+                raise ValueError(
+                    f"{name}: the target {fused_hit.pattern!r} matches the fused layer's name "
+                    f"but not all its shards ({_describe(shards, picks)}); it would quantize "
+                    "the others too: target the shards exactly (e.g. '*.v_proj') or all of them"
+                )
             raise ValueError(
                 f"{name}: the fused layer's shards {shards} are not all targeted "
                 f"({_describe(shards, picks)}); target the fused name or every shard"
@@ -180,8 +195,10 @@ def resolve_quantization(
             raise ValueError(
                 "quantization='online' needs quantization_config={'targets': {pattern: scheme}}"
             )
+        # top-level group_size/symmetric are int4 defaults: other targets ignore them
         targets = tuple(
-            Target(_check_pattern(p), _spec(value, defaults, p)) for p, value in raw.items()
+            Target(_check_pattern(p), _spec(value, defaults, p, int4_only=True))
+            for p, value in raw.items()
         )
     else:
         if "targets" in options:
@@ -192,7 +209,7 @@ def resolve_quantization(
     return QuantizationConfig(quantization, targets, ignore, backends, quantization != "online")
 
 
-def _spec(value: Any, defaults: dict[str, Any], where: str) -> SchemeSpec:
+def _spec(value: Any, defaults: dict[str, Any], where: str, int4_only: bool = False) -> SchemeSpec:
     if isinstance(value, str):
         value = {"scheme": value}
     if not isinstance(value, dict) or "scheme" not in value:
@@ -208,6 +225,8 @@ def _spec(value: Any, defaults: dict[str, Any], where: str) -> SchemeSpec:
             f"target {where!r}: unknown scheme {value['scheme']!r}; choose one of "
             f"{', '.join(SCHEMES)} or a shorthand ({', '.join(SHORTHANDS)})"
         )
+    if int4_only and scheme != "int4_w4a16":
+        defaults = {}
     options = {**defaults, **{k: v for k, v in value.items() if k != "scheme"}}
     group_size = options.get("group_size", 128)
     symmetric = options.get("symmetric", True)

@@ -110,7 +110,7 @@ def _unpacking(loader: WeightLoader, bits: int, count, along_rows: bool = False)
     """A loader that unpacks the checkpoint's int32 words, then slices as the layer does."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if along_rows:  # the asymmetric zero points are packed down the output dimension
+        if along_rows and loaded.dtype == torch.int32:  # zero points packed down the outputs
             rows = loaded.shape[0] * (32 // bits)
             values = unpack_int32(loaded.t().contiguous(), bits, rows).t().contiguous()
         elif loaded.dtype == torch.int32:
