@@ -16,21 +16,8 @@ import shutil
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from minivllm.utils.random_checkpoint import QWEN3_0_6B  # noqa: E402
 from tests.compressed_tensors_utils import make_compressed_checkpoint  # noqa: E402
-
-QWEN3_0_6B = dict(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rope_theta=1e6,
-    tie_word_embeddings=True,
-    initializer_range=0.02,
-)
 
 
 def main() -> None:
@@ -40,7 +27,9 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--tokenizer-from", default="/tmp/qwen3-0.6b-random")
     args = parser.parse_args()
-    make_compressed_checkpoint(args.out, "int8_w8a8", [], hf_config_kwargs=QWEN3_0_6B)
+    make_compressed_checkpoint(
+        args.out, "int8_w8a8", [], hf_config_kwargs={**QWEN3_0_6B, "initializer_range": 0.02}
+    )
     for name in os.listdir(args.tokenizer_from):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             shutil.copy(os.path.join(args.tokenizer_from, name), args.out)

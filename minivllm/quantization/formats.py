@@ -273,11 +273,11 @@ def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def reference_linear(x: Tensor, qw: QuantWeights, bias: Tensor | None = None) -> Tensor:
-    """bf16 x [..., K] times qw's weight, the kernels' contract; bf16 [..., N].
+    """x [..., K] times qw's weight, the kernels' contract for bf16 x; [..., N] in x's dtype.
 
-    Weight-only schemes: y = x @ dequantize(qw).T (+ bias), in float32, rounded to bf16
-    once. int8_w8a8: (xq, xs) = quantize_per_token(x), acc[m, n] = sum_k xq[m, k] q[n, k]
-    exactly, y = acc * xs[m] * scale[n] (+ bias) in float32, rounded to bf16 once.
+    Weight-only schemes: y = x @ dequantize(qw).T (+ bias), in float32, rounded to x's
+    dtype once. int8_w8a8: (xq, xs) = quantize_per_token(x), acc[m, n] = sum_k xq[m, k]
+    q[n, k] exactly, y = acc * xs[m] * scale[n] (+ bias) in float32, rounded once.
     """
     rows = x.reshape(-1, qw.in_features)
     if qw.scheme == "int8_w8a8":
@@ -288,7 +288,7 @@ def reference_linear(x: Tensor, qw: QuantWeights, bias: Tensor | None = None) ->
         y = rows.to(torch.float32) @ dequantize(qw).T
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(torch.bfloat16).reshape(*x.shape[:-1], qw.out_features)
+    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
 
 
 # -- what the kernels take ------------------------------------------------------------------
@@ -358,4 +358,4 @@ def w8a8_large_batch(
     y = acc_scaled * xs[:, None]
     if bias is not None:
         y = y + bias.to(torch.float32)
-    return y.to(torch.bfloat16).reshape(*x.shape[:-1], qw.out_features)
+    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)

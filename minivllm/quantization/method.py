@@ -76,12 +76,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         """Replace the layer's checkpoint tensors with `qw`'s and choose the op."""
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
             delattr(layer, name)
-        self.choose_backend(qw, kernels)
-        if self.op is not None and qw.scheme == "int8_w8a8" and formats.onednn_int8_available():
-            formats.prepack_w8a8(qw)
         for name, tensor in qw.tensors().items():
             layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
-        self.quant_weights = qw
+        self.use(qw, kernels)
 
     def prepare_for_mapping(self, layer: nn.Module) -> None:
         """Give an unloaded layer the processed tensors' names, shapes and dtypes (left
@@ -115,6 +112,11 @@ class QuantizedLinearMethod(LinearMethodBase):
         qw = formats.QuantWeights.from_tensors(
             tensors, self.spec.scheme, self.group_size, layer.output_size, layer.input_size
         )
+        self.use(qw, kernels)
+
+    def use(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
+        """Apply `qw` from now on: choose the op, and give int8_w8a8 on the kernels its
+        oneDNN-prepacked copy for large batches (made per engine, never stored)."""
         self.choose_backend(qw, kernels)
         if self.op is not None and qw.scheme == "int8_w8a8" and formats.onednn_int8_available():
             formats.prepack_w8a8(qw)
@@ -146,7 +148,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         assert qw is not None, "process_weights_after_loading has not run"
         rows = x.reshape(-1, x.shape[-1])
         if self.op is None or x.dtype != torch.bfloat16:
-            return _reference(x, qw, bias)
+            return formats.reference_linear(x, qw, bias)
         m = rows.shape[0]
         if qw.scheme == "int8_w8a8":
             if m > formats.W8A8_MAX_KERNEL_ROWS and qw.packed is not None:
@@ -178,25 +180,6 @@ class QuantizedLinearMethod(LinearMethodBase):
         )
         rows = formats.dequantize(picked).to(self.dtype)
         return rows.view(*ids.shape, qw.in_features)
-
-
-def _reference(
-    x: torch.Tensor, qw: formats.QuantWeights, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """The plain-PyTorch path: formats.reference_linear in bf16, the same float32 math
-    rounded to the activation dtype otherwise (a float32 model)."""
-    if x.dtype == torch.bfloat16:
-        return formats.reference_linear(x, qw, bias)
-    rows = x.reshape(-1, qw.in_features).to(torch.float32)
-    if qw.scheme == "int8_w8a8":
-        xq, xs = formats.quantize_per_token(rows)
-        acc = (xq.to(torch.float64) @ qw.weight.to(torch.float64).T).to(torch.float32)
-        y = acc * xs[:, None] * qw.scale
-    else:
-        y = rows @ formats.dequantize(qw).T
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
 
 
 def _why_not(op: object, qw: formats.QuantWeights) -> str:
