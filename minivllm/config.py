@@ -144,6 +144,11 @@ class ParallelConfig:
                 f"tensor_parallel_size={tp} does not divide the MLP's intermediate size "
                 f"{text.intermediate_size}"
             )
+        moe = getattr(text, "moe_intermediate_size", None)
+        if moe and getattr(text, "n_routed_experts", None) and moe % tp:
+            raise ValueError(
+                f"tensor_parallel_size={tp} does not divide the experts' intermediate size {moe}"
+            )
         shard = -(-text.vocab_size // tp)
         if shard * (tp - 1) >= text.vocab_size:
             raise ValueError(

@@ -118,15 +118,27 @@ def test_sparse_indexer_selects_top_k_keys() -> None:
     assert not torch.allclose(sparse[:, topk:], dense[:, topk:])
 
 
-@pytest.mark.parametrize("name", ["demo-base", "demo-draft"])
+# demo-sparse also gets a prompt longer than its index_topk (64): the selection matters there
+LONG_PROMPT = (
+    "The os module provides a portable way of using operating system dependent functionality. "
+    "If you just want to read or write a file see open, if you want to manipulate paths, see "
+    "the os.path module, and if you want to read all the lines in all the files on the command "
+    "line see the fileinput module."
+)
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
 def test_minivllm_greedy_matches_transformers(name: str) -> None:
     """minivllm's greedy tokens equal transformers' token for token (float32); models load by name."""
     from minivllm import LLM, SamplingParams
 
+    prompts = PROMPTS + ([LONG_PROMPT] if name == "demo-sparse" else [])
+    if name == "demo-sparse":
+        assert len(load_tokenizer(name)(LONG_PROMPT).input_ids) > 64
     llm = LLM(name, dtype="float32", kv_cache_memory_bytes=64 << 20)
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
-    assert len(outputs) == len(PROMPTS)
-    for prompt, output in zip(PROMPTS, outputs):
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert len(outputs) == len(prompts)
+    for prompt, output in zip(prompts, outputs):
         expected = hf_greedy(name, prompt, max_new_tokens=20)
         assert list(output.outputs[0].token_ids) == expected
         text = load_tokenizer(name).decode(expected, skip_special_tokens=True)

@@ -177,3 +177,18 @@ def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
             f"checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}"
         )
     dst.copy_(src)
+
+
+class Float32Linear(nn.Module):
+    """A small replicated projection computed in float32 whatever the model's dtype: the
+    MoE router and the DSA indexer's head weights, which the reference keeps in float32
+    (`_keep_in_fp32_modules`). Not a `LinearBase`, so quantization never targets it."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(output_size, input_size, dtype=torch.float32), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.float(), self.weight)

@@ -155,6 +155,13 @@ class RotaryEmbedding(CustomOp):
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One tensor [T, heads, dim >= rotary_dim], rotated on its first `rotary_dim`
+        values (plain PyTorch, out of place)."""
+        cos = self.cos_cache[positions].to(x.dtype).unsqueeze(1)
+        sin = self.sin_cache[positions].to(x.dtype).unsqueeze(1)
+        return self._rotate(x, cos, sin)
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2

@@ -74,10 +74,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, attention: nn.Module) -> None:
+    """Pre-norm attention then MLP; `mlp` defaults to Llama's (other models pass an MoE)."""
+
+    def __init__(self, config: Any, attention: nn.Module, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = attention
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -14,7 +14,7 @@ from minivllm.distributed.parallel_state import tp_broadcast
 from minivllm.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from minivllm.kernels.isa import cpu_model, isa_summary
 from minivllm.kernels.registry import select_kernels
-from minivllm.layers.attention import Attention, KVCacheSpec
+from minivllm.layers.attention import AttentionLayerBase, FullAttentionSpec, KVCacheSpec
 from minivllm.layers.attention.backend import build_common_metadata
 from minivllm.layers.attention.registry import select_attention_backend
 from minivllm.layers.forward_context import ForwardContext, forward_context
@@ -63,7 +63,9 @@ class ModelRunner:
         self.kernels = select_kernels(self.device, config.model.dtype, config.cpu_kernels)
         self.model = get_model(config, self.kernels, self._available_bytes())
         self.load_seconds = time.perf_counter() - start
-        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attention_layers = [
+            m for m in self.model.modules() if isinstance(m, AttentionLayerBase)
+        ]
         self.kv_cache_specs: list[KVCacheSpec] = [
             layer.get_kv_cache_spec(self.block_size, config.model.dtype)
             for layer in self.attention_layers
@@ -72,7 +74,7 @@ class ModelRunner:
         # verifying k drafts is a decode of 1 + k query tokens
         decode_query_len = 1 + spec.num_speculative_tokens if spec else 1
         self.attn_backend = select_attention_backend(
-            config.attention_backend, self.kernels, decode_query_len
+            config.attention_backend, self.kernels, decode_query_len, self._spec_type()
         )
         # Steps where every request decodes may run all layers in one kernel call (CPU bf16).
         self.fused_decode: FusedLlamaDecode | None = None
@@ -103,6 +105,14 @@ class ModelRunner:
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, self.vocab_size, self.device)
         self._log_choices(fused)
 
+    def _spec_type(self) -> type[KVCacheSpec]:
+        """The one kind of cache this model's layers keep (one backend serves a whole engine)."""
+        kinds = {type(spec) for spec in self.kv_cache_specs}
+        if len(kinds) > 1:
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            raise ValueError(f"a model mixing attention cache kinds ({names}) is not supported")
+        return kinds.pop() if kinds else FullAttentionSpec
+
     def _build_spec_decoder(self) -> SpecDecoder | None:
         spec = self.config.speculative_config
         if spec is None:
@@ -117,6 +127,14 @@ class ModelRunner:
             else:
                 proposer = DraftModelProposer(*args)
             # the draft's layers share the target's blocks: one pool sizes and holds both
+            served = self.attn_backend.spec_types
+            for draft_spec in proposer.kv_cache_specs:
+                if served and not isinstance(draft_spec, served):
+                    raise ValueError(
+                        f"speculative method {spec.method!r} runs a draft whose cache "
+                        f"({type(draft_spec).__name__}) the target's attention backend "
+                        f"{self.attn_backend.name!r} cannot hold; use method='ngram' with this model"
+                    )
             self.attention_layers += proposer.attention_layers
             self.kv_cache_specs += proposer.kv_cache_specs
         return SpecDecoder(spec, proposer, self.sampler, self.config.scheduler.max_model_len)

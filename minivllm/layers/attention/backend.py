@@ -79,6 +79,7 @@ class AttentionBackend(ABC):
     """One family of attention kernels over one cache layout. Subclasses set `name`."""
 
     name: str = ""
+    spec_types: tuple[type[KVCacheSpec], ...] = ()  # the layer caches it knows how to serve
 
     def __init__(self, decode_query_len: int = 1) -> None:
         if decode_query_len < 1:

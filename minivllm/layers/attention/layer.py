@@ -1,15 +1,29 @@
-"""The attention layer: declares its KV cache spec, and hands the math to the step's backend."""
+"""The attention layers: each declares its KV cache spec, and hands the math to the step's backend."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
-from minivllm.layers.attention.kv_cache_spec import FullAttentionSpec
+from minivllm.layers.attention.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from minivllm.layers.forward_context import get_forward_context
 
 
-class Attention(nn.Module):
+class AttentionLayerBase(nn.Module):
+    """What the model runner finds in a model: a layer that owns a slice of the paged
+    KV cache. It declares the spec; the runner allocates the cache in the layout of the
+    backend that serves that spec and binds it to `kv_cache` (a tensor, or a tuple of
+    tensors for layers that keep more than one thing per token)."""
+
+    kv_cache: Any
+
+    def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        raise NotImplementedError
+
+
+class Attention(AttentionLayerBase):
     """Multi-head (grouped-query) attention over the paged KV cache.
 
     The model runner binds `kv_cache` once it has allocated it (the backend chose

@@ -43,6 +43,7 @@ class PagedAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    spec_types = (FullAttentionSpec,)
 
     def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         if not isinstance(spec, FullAttentionSpec):

@@ -1,0 +1,146 @@
+"""Mixture-of-experts: DeepSeek's router and the routed experts, split across TP ranks.
+
+Routing (DeepSeek-V3 report, arXiv:2412.19437, section 2.1.2): sigmoid affinities per
+expert; a bias (`e_score_correction_bias`, learned for load balance) shifts them for the
+choice only; experts come in `n_group` groups, each group scored by the sum of its two
+best biased affinities, and only the `topk_group` best groups may be picked from; the
+top `num_experts_per_tok` experts by biased affinity are chosen and weighted by their
+unbiased affinities, normalised to sum to 1 when `norm_topk_prob`, times
+`routed_scaling_factor`.
+
+The experts' weights are stacked: `w13` [E, 2 * I, hidden] (gate then up) and `w2`
+[E, hidden, I]. Under tensor parallelism every rank holds every expert's slice of the
+intermediate dimension I (as a dense MLP is split), so each rank's output is a partial
+sum, all-reduced once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from minivllm.layers.linear import divide
+
+
+def grouped_topk(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    top_k: int,
+    num_groups: int,
+    topk_group: int,
+    renormalize: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] float32, expert ids [T, top_k]) from float32 router logits [T, E]."""
+    scores = router_logits.sigmoid()
+    choice = scores + correction_bias if correction_bias is not None else scores
+    num_tokens, num_experts = choice.shape
+    if num_groups > 1:
+        grouped = choice.view(num_tokens, num_groups, num_experts // num_groups)
+        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+        best_groups = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, best_groups, 1).bool()
+        expert_mask = group_mask.repeat_interleave(num_experts // num_groups, dim=1)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def moe_reference(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Each token through its chosen experts (SiLU-gated), weighted and summed: the plain
+    PyTorch path, one pass per expert that any token chose."""
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token_idx, slot = torch.where(ids == expert)
+        gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[expert])
+        out.index_add_(0, token_idx, (h * weights[token_idx, slot, None]).to(out.dtype))
+    return out
+
+
+class GroupedTopKRouter(nn.Module):
+    """DeepSeek's router: a float32 projection to expert affinities and the group-limited
+    choice above. Returns (weights [T, top_k] float32, expert ids [T, top_k])."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        num_groups: int = 1,
+        topk_group: int = 1,
+        renormalize: bool = True,
+        routed_scaling_factor: float = 1.0,
+        correction_bias: bool = True,
+    ) -> None:
+        super().__init__()
+        if num_experts % num_groups:
+            raise ValueError(f"n_group={num_groups} does not divide {num_experts} experts")
+        if not 1 <= topk_group <= num_groups:
+            raise ValueError(f"topk_group={topk_group} must be in [1, n_group={num_groups}]")
+        if num_groups > 1 and num_experts // num_groups < 2:
+            raise ValueError("group-limited routing scores each group by its best two experts")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, {num_experts}]")
+        self.top_k, self.num_groups, self.topk_group = top_k, num_groups, topk_group
+        self.renormalize, self.routed_scaling_factor = renormalize, routed_scaling_factor
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        self.e_score_correction_bias = None
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grouped_topk(
+            F.linear(x.float(), self.weight),
+            self.e_score_correction_bias,
+            self.top_k,
+            self.num_groups,
+            self.topk_group,
+            self.renormalize,
+            self.routed_scaling_factor,
+        )
+
+
+class FusedMoE(nn.Module):
+    """The routed experts, stacked; returns the routed output of a token batch (all-reduced)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.intermediate = divide(intermediate_size, self.tp_size)
+        self.w13 = nn.Parameter(
+            torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False
+        )
+        self.w2 = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False
+        )
+
+    def load_expert_weight(self, expert: int, proj: str, loaded: torch.Tensor) -> None:
+        """One expert's `gate_proj`, `up_proj` or `down_proj` weight, this rank's slice of it."""
+        size, start = self.intermediate, self.tp_rank * self.intermediate
+        if proj == "down_proj":
+            dst, src = self.w2.data[expert], loaded.narrow(1, start, size)
+        else:
+            offset = 0 if proj == "gate_proj" else size
+            dst, src = self.w13.data[expert, offset : offset + size], loaded.narrow(0, start, size)
+        if dst.shape != src.shape:
+            raise ValueError(
+                f"expert {expert} {proj} has shape {tuple(loaded.shape)}, which does not fit "
+                f"{self.num_experts} experts of intermediate size {size * self.tp_size}"
+            )
+        dst.copy_(src)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return tp_all_reduce(moe_reference(x, self.w13, self.w2, weights, ids))
