@@ -14,7 +14,12 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.layers.attention.dsa import indexer_scores, mla_decode, mla_prefill, topk_mask
+from minivllm.layers.attention.dsa import (
+    indexer_topk,
+    mla_decode,
+    mla_prefill,
+    selection_mask,
+)
 from minivllm.layers.moe import grouped_topk, moe_reference
 from tests.conftest import assert_logprobs_match, hf_greedy
 
@@ -202,12 +207,13 @@ def test_absorbed_decode_equals_mha_form() -> None:
     kv_b = torch.nn.Linear(lora, heads * (nope + v), bias=False)
     latent = torch.randn(length, lora + rope)
     q = torch.randn(3, heads, nope + rope)
-    mask = torch.rand(3, length) < 0.5
-    mask[:, 0] = True
+    rows = torch.stack([torch.randperm(length)[:10] for _ in range(3)]).sort(dim=1).values
+    rows[1, 7:] = -1  # fewer than k tokens
+    mask = selection_mask(rows, length)
     w = kv_b.weight.view(heads, nope + v, lora)
     with torch.no_grad():
         mha = mla_prefill(q, latent, kv_b, mask, 0.2, lora, v)
-        absorbed = mla_decode(q, latent, w[:, :nope], w[:, nope:], mask, 0.2)
+        absorbed = mla_decode(q, latent, w[:, :nope], w[:, nope:], rows, 0.2)
     torch.testing.assert_close(absorbed, mha, atol=1e-5, rtol=1e-5)
 
 
@@ -232,11 +238,20 @@ def test_indexer_topk_against_transformers_indexer() -> None:
         q = indexer.wq_b(q_resid[0]).view(seq, 16, 16)
         k = indexer.k_norm(indexer.wk(hidden[0]))
         w = indexer.weights_proj(hidden[0]) * 16**-0.5
-        scores = indexer_scores(q, w, k, 16**-0.5)
-    mask = topk_mask(scores, torch.arange(seq), seq, DSA["index_topk"])
+        got = indexer_topk(
+            q,
+            w,
+            torch.arange(seq).unsqueeze(0),  # token t's key is row t
+            torch.zeros(seq, dtype=torch.long),
+            torch.arange(seq),
+            k,
+            None,
+            DSA["index_topk"],
+            16**-0.5,
+        )
     for s in range(seq):
-        expected = {t for t in want[s].tolist() if t <= s}
-        assert set(mask[s].nonzero().flatten().tolist()) == expected
+        expected = sorted(t for t in want[s].tolist() if t <= s)
+        assert [t for t in got[s].tolist() if t >= 0] == expected
 
 
 def test_grouped_routing_and_experts_against_transformers() -> None:

@@ -37,26 +37,72 @@ def indexer_scores(
     return torch.matmul(index_w.unsqueeze(1), F.relu(scores)).squeeze(1)
 
 
-def topk_mask(
-    scores: torch.Tensor | None, positions: torch.Tensor, seq_len: int, topk: int
-) -> torch.Tensor:
-    """Which of the first `seq_len` tokens each query attends to: the `topk` causally
-    visible ones (t <= its position) with the best scores, all of them when a query sees
-    at most `topk`. [Q, seq_len] bool; `scores` may be None when no query sees more.
+def gather_rows(device_rows: torch.Tensor, host_rows: torch.Tensor | None, rows: torch.Tensor):
+    """Rows of a two-tier cache by flat row id: ids below `len(device_rows)` name device
+    rows, the rest host rows (HiSparse's host pool; None or empty without one)."""
+    num_device = device_rows.shape[0]
+    if host_rows is None or host_rows.shape[0] == 0 or rows.numel() == 0:
+        return device_rows[rows]
+    on_host = rows >= num_device
+    if not bool(on_host.any()):
+        return device_rows[rows]
+    out = device_rows[rows.clamp(max=num_device - 1)]
+    out[on_host] = host_rows[rows[on_host] - num_device]
+    return out
 
-    Ties are broken towards the earlier token. They are common, not theoretical: a key
-    that every index head's ReLU zeroes scores exactly 0, so with few index heads many
-    keys tie, and `torch.topk` breaks such ties differently for rows of different
-    lengths (transformers' own output at a position then changes with the length of the
-    sequence after it). A fixed rule keeps chunked prefill, decode and prefill agreeing.
+
+def indexer_topk(
+    index_q: torch.Tensor,
+    index_w: torch.Tensor,
+    key_rows: torch.Tensor,
+    row_req: torch.Tensor,
+    positions: torch.Tensor,
+    keys: torch.Tensor,
+    host_keys: torch.Tensor | None,
+    topk: int,
+    scale: float,
+) -> torch.Tensor:
+    """The tokens each query row attends to, as token indices in ascending order,
+    -1-padded: [N, topk] int64.
+
+    index_q [N, Hi, Di], index_w [N, Hi] float32: query row n's indexer inputs; it
+    belongs to request `row_req[n]` and sits at `positions[n]`, so it sees tokens
+    0..positions[n], whose keys are rows `key_rows[row_req[n], t]` of `keys` (or of
+    `host_keys`, see `gather_rows`). A row that sees at most `topk` tokens keeps them
+    all; otherwise the `topk` best by I(s, t), ties going to the earlier token.
+
+    Ties are common, not theoretical: a key that every index head's ReLU zeroes scores
+    exactly 0, and `torch.topk` breaks ties differently for rows of different lengths
+    (transformers' own output at a position changes with the length of the sequence
+    after it). A fixed rule keeps chunked prefill, decode and prefill agreeing.
     """
-    causal = torch.arange(seq_len, device=positions.device) <= positions.unsqueeze(1)
-    if seq_len <= topk:
-        return causal
-    ranked = scores.masked_fill(~causal, float("-inf"))
-    chosen = ranked.sort(dim=-1, descending=True, stable=True).indices[:, :topk]
-    selected = torch.zeros_like(causal).scatter_(1, chosen, True)
-    return selected & causal
+    num = index_q.shape[0]
+    out = torch.full((num, topk), -1, dtype=torch.long, device=index_q.device)
+    for b in row_req.unique().tolist():
+        sel = (row_req == b).nonzero().flatten()
+        pos = positions[sel]
+        length = int(pos.max()) + 1
+        ar = torch.arange(length, device=index_q.device)
+        visible = ar <= pos.unsqueeze(1)  # [n, length]
+        if length <= topk:
+            out[sel, :length] = torch.where(visible, ar, -1)
+            continue
+        key = gather_rows(keys, host_keys, key_rows[b, :length])
+        scores = indexer_scores(index_q[sel], index_w[sel], key, scale)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chosen = scores.sort(dim=-1, descending=True, stable=True).indices[:, :topk]
+        chosen = chosen.sort(dim=-1).values
+        few = (pos + 1 <= topk).unsqueeze(1)  # rows seeing fewer: all visible ones
+        chosen = torch.where(few, ar[:topk].expand_as(chosen), chosen)
+        out[sel] = torch.where(chosen <= pos.unsqueeze(1), chosen, -1)
+    return out
+
+
+def selection_mask(indices: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[N, seq_len] bool from `indexer_topk`'s -1-padded token indices."""
+    mask = torch.zeros(indices.shape[0], seq_len + 1, dtype=torch.bool, device=indices.device)
+    mask.scatter_(1, torch.where(indices < 0, seq_len, indices), True)
+    return mask[:, :seq_len]
 
 
 def mla_prefill(
@@ -92,20 +138,30 @@ def absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return torch.cat((q_lat, q[..., nope:]), dim=-1)
 
 
+def sparse_mla_decode(
+    q_abs: torch.Tensor, latent: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int, scale: float
+) -> torch.Tensor:
+    """The absorbed form over an index list: each query row n attends, with all heads,
+    to the latent rows `rows[n]` of `latent` (-1: none). q_abs: [N, H, kv_lora + rope]
+    (`absorb_query`); latent: [R, kv_lora + rope] -> p . c_kv, [N, H, kv_lora]; the
+    caller applies W_UV."""
+    valid = rows >= 0
+    picked = latent[rows.clamp(min=0)]  # [N, K, D]
+    scores = torch.matmul(q_abs, picked.transpose(1, 2)).float() * scale  # [N, H, K]
+    scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(latent.dtype)
+    return torch.matmul(probs, picked[..., :kv_lora_rank])
+
+
 def mla_decode(
     q: torch.Tensor,
     latent: torch.Tensor,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
-    mask: torch.Tensor,
+    rows: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The absorbed form. q: [Q, H, nope + rope]; latent: [L, kv_lora + rope];
-    w_uk: [H, nope, kv_lora]; w_uv: [H, v, kv_lora]; mask: [Q, L] -> [Q, H, v]."""
-    kv_lora = w_uk.shape[2]
-    q_abs = absorb_query(q, w_uk)  # [Q, H, 576]
-    scores = torch.matmul(q_abs, latent.t()).float() * scale  # [Q, H, L]
-    scores.masked_fill_(~mask.unsqueeze(1), float("-inf"))
-    probs = scores.softmax(dim=-1).to(latent.dtype)
-    out_lat = torch.matmul(probs, latent[:, :kv_lora])  # [Q, H, kv_lora]
+    """The absorbed form, whole: q [N, H, nope + rope]; w_uk [H, nope, kv_lora];
+    w_uv [H, v, kv_lora]; rows [N, K] into latent [R, kv_lora + rope] -> [N, H, v]."""
+    out_lat = sparse_mla_decode(absorb_query(q, w_uk), latent, rows, w_uk.shape[2], scale)
     return torch.einsum("qhc,hvc->qhv", out_lat, w_uv)

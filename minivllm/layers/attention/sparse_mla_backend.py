@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
-from minivllm.layers.attention.dsa import indexer_scores, mla_decode, mla_prefill, topk_mask
+from minivllm.layers.attention.dsa import indexer_topk, mla_decode, mla_prefill, selection_mask
 from minivllm.layers.attention.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 
 
@@ -105,22 +105,30 @@ class SparseMLABackend(AttentionBackend):
         for i, (start, end) in enumerate(meta.query_ranges):
             seq_len, slots = meta.seq_lens[i], meta.context_slots[i]
             positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-            scores = None
-            if layer.is_sparse and seq_len > layer.index_topk:
-                scores = indexer_scores(
-                    index_q[start:end], index_w[start:end], index_rows[slots], layer.index_scale
-                )
-            mask = topk_mask(scores, positions, seq_len, layer.index_topk or seq_len)
-            latent = latent_rows[slots]
+            topk = layer.index_topk if layer.is_sparse else seq_len
+            indices = indexer_topk(
+                index_q[start:end] if layer.is_sparse else q[start:end],
+                index_w[start:end] if layer.is_sparse else None,
+                slots.unsqueeze(0),
+                torch.zeros(end - start, dtype=torch.long, device=q.device),
+                positions,
+                index_rows,
+                None,
+                topk,
+                layer.index_scale,
+            )
             if meta.is_decode[i]:
+                rows = torch.where(indices >= 0, slots[indices.clamp(min=0)], -1)
                 w_uk, w_uv = layer.absorbed_weights()
-                out[start:end] = mla_decode(q[start:end], latent, w_uk, w_uv, mask, layer.scale)
+                out[start:end] = mla_decode(
+                    q[start:end], latent_rows, w_uk, w_uv, rows, layer.scale
+                )
             else:
                 out[start:end] = mla_prefill(
                     q[start:end],
-                    latent,
+                    latent_rows[slots],
                     layer.kv_b_proj,
-                    mask,
+                    selection_mask(indices, seq_len),
                     layer.scale,
                     layer.kv_lora_rank,
                     layer.v_head_dim,
