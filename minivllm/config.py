@@ -185,6 +185,8 @@ class EngineConfig:
     # daemon, `weight_cache/`, with its `WeightCacheClientConfig` here).
     load_format: str = "auto"
     weight_cache_config: Any = None
+    # HiSparse's host KV tier under sparse attention (`hisparse/config.py`); None: off.
+    hisparse_config: Any = None
 
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from minivllm.engine.scheduler_output import SchedulerStats, SpecDecodeStats
+from minivllm.engine.scheduler_output import HiSparseStats, SchedulerStats, SpecDecodeStats
 from minivllm.outputs import RequestOutput
 
 # Latency buckets in seconds (vLLM's, trimmed): from one fast decode step to a long request.
@@ -101,6 +101,8 @@ class EngineMetrics:
             [*labels, "position"],
             registry=r,
         )
+        self._counter, self._gauge = counter, gauge
+        self._hisparse: dict[str, Counter | Gauge] | None = None  # made on first HiSparse stats
         self._model_name = model_name
         self._last_stats = SchedulerStats()
         self._last_spec = SpecDecodeStats()
@@ -115,9 +117,39 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - last.prefix_cache_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - last.prefix_cache_hits)
         self.num_preemptions.inc(stats.num_preemptions - last.num_preemptions)
+        if stats.hisparse is not None:
+            self._record_hisparse(stats.hisparse, last.hisparse or HiSparseStats())
         self._last_stats = stats
         if stats.spec_decode is not None:
             self._record_spec(stats.spec_decode)
+
+    def _record_hisparse(self, now: HiSparseStats, last: HiSparseStats) -> None:
+        """vLLM's `hisparse_*` counters (#56061) and the host pool's use."""
+        if self._hisparse is None:
+            c, g = self._counter, self._gauge
+            self._hisparse = {
+                "hits": c("hisparse_cache_hits", "Top-k lookups found in a hot buffer."),
+                "misses": c("hisparse_cache_misses", "Top-k lookups copied in from the host pool."),
+                "lookups": c(
+                    "hisparse_cache_lookups",
+                    "Top-k-selected tokens of host-backed requests off the device (hits + misses).",
+                ),
+                "host_to_device_bytes": c(
+                    "hisparse_host_to_device_bytes", "Bytes of KV rows read in from the host pool."
+                ),
+                "spills": c("hisparse_page_spills", "KV pages moved to the host pool."),
+                "used": g("hisparse_host_blocks_used", "Host pool blocks in use."),
+                "total": g("hisparse_host_blocks_total", "Host pool blocks."),
+                "usage": g(
+                    "hisparse_host_cache_usage_perc", "Fraction of host pool blocks in use."
+                ),
+            }
+        m = self._hisparse
+        for name in ("hits", "misses", "lookups", "host_to_device_bytes", "spills"):
+            m[name].inc(getattr(now, name) - getattr(last, name))
+        m["used"].set(now.host_blocks_used)
+        m["total"].set(now.host_blocks_total)
+        m["usage"].set(now.host_blocks_used / max(now.host_blocks_total, 1))
 
     def _record_spec(self, spec: SpecDecodeStats) -> None:
         last = self._last_spec

@@ -19,6 +19,7 @@ from minivllm.config import (
     resolve_device,
     resolve_dtype,
 )
+from minivllm.hisparse.config import resolve_hisparse_config
 from minivllm.loader.hub import resolve_model_path
 from minivllm.quantization.compressed_tensors import read_checkpoint_quantization
 from minivllm.quantization.config import resolve_quantization
@@ -65,6 +66,10 @@ class EngineArgs:
     quantization: str | None = None
     quantization_config: dict[str, Any] | str | None = None
     kernel_config: dict[str, Any] | str | None = None
+    # HiSparse (docs/sparse-attention.md): vLLM's kv_transfer_config naming the
+    # HiSparseConnector, and attention_config's optional {"hisparse_config": {...}} tuning
+    kv_transfer_config: dict[str, Any] | str | None = None
+    attention_config: dict[str, Any] | str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> EngineArgs:
@@ -130,6 +135,9 @@ class EngineArgs:
             load_format=self.load_format,
             weight_cache_config=resolve_weight_cache_config(
                 self.load_format, self.model_loader_extra_config
+            ),
+            hisparse_config=resolve_hisparse_config(
+                self.kv_transfer_config, self.attention_config, hf_config
             ),
         )
 

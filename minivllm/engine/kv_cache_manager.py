@@ -104,6 +104,11 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, [])]
 
+    def take_step_metadata(self) -> object | None:
+        """What the runner must do to the cache before this step's forward besides writing
+        it (HiSparse's spills, `hisparse/coordinator.py`); None here."""
+        return None
+
     @property
     def usage(self) -> float:
         return self.pool.usage

@@ -42,9 +42,7 @@ class LLMEngine:
         except BaseException:
             self.executor.shutdown()  # worker processes, if any, must not outlive a failed start
             raise
-        self.kv_cache_manager = KVCacheManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+        self.kv_cache_manager = self._kv_cache_manager(num_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         # the request ids of the step in progress; None while the scheduler runs
         self._stepping: list[str] | None = []
@@ -56,6 +54,50 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
+    def _kv_cache_manager(self, num_blocks: int) -> KVCacheManager:
+        cache, hisparse = self.config.cache, self.config.hisparse_config
+        if hisparse is None:
+            return KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        from minivllm.hisparse.coordinator import HiSparseKVCacheManager
+
+        return HiSparseKVCacheManager(
+            num_blocks,
+            cache.block_size,
+            cache.enable_prefix_caching,
+            self._num_host_blocks(),
+            -(-self._hot_buffer_rows() // cache.block_size),
+            hisparse.eager_host_mirror,
+        )
+
+    def _num_host_blocks(self) -> int:
+        from minivllm.hisparse.runtime import host_pool_blocks
+
+        per_block = self.executor.kv_cache_bytes_per_block()
+        return host_pool_blocks(self.config.hisparse_config, per_block)
+
+    def _hot_buffer_rows(self) -> int:
+        spec = self.config.speculative_config
+        decode_query_len = 1 + spec.num_speculative_tokens if spec else 1
+        topk = self.config.model.hf_config.index_topk
+        return self.config.hisparse_config.buffer_rows(decode_query_len, topk)
+
+    def _hisparse_minimum_blocks(self, per_block: int) -> int:
+        """With the host tier, the device must hold what one request needs at once: its
+        hot buffer, its two tail pages and a full prefill chunk (with lookahead); the
+        host pool must hold a whole max_model_len sequence."""
+        cache, sched = self.config.cache, self.config.scheduler
+        host_blocks = self._num_host_blocks()
+        host_needed = -(-sched.max_model_len // cache.block_size) + 2
+        if host_blocks < host_needed:
+            raise ValueError(
+                f"HiSparse's host pool of {self.config.hisparse_config.host_pool_gib} GiB holds "
+                f"{host_blocks} blocks; one max_model_len={sched.max_model_len} sequence needs "
+                f"{host_needed}: raise host_pool_gib to at least "
+                f"{host_needed * per_block / 2**30:.3f} or lower max_model_len"
+            )
+        chunk = sched.max_num_batched_tokens + sched.num_lookahead_tokens
+        return -(-self._hot_buffer_rows() // cache.block_size) + 3 + -(-chunk // cache.block_size)
+
     def _num_kv_blocks(self) -> int:
         cache = self.config.cache
         per_block = self.executor.kv_cache_bytes_per_block()
@@ -63,6 +105,16 @@ class LLMEngine:
         num_blocks = budget // per_block
         max_len = self.config.scheduler.max_model_len
         needed = -(-max_len // cache.block_size)
+        if self.config.hisparse_config is not None:
+            least = self._hisparse_minimum_blocks(per_block)
+            if num_blocks < least:
+                raise ValueError(
+                    f"the KV cache budget of {budget} bytes holds {num_blocks} blocks; with "
+                    f"HiSparse one request needs {least} at once (hot buffer, tail pages, a "
+                    f"max_num_batched_tokens chunk): raise kv_cache_memory_bytes to at least "
+                    f"{least * per_block} or lower max_num_batched_tokens"
+                )
+            needed = least
         if num_blocks < needed:
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds {num_blocks * cache.block_size} tokens, "

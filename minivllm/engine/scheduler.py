@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable
 
@@ -11,6 +12,7 @@ from minivllm.engine.request import Request, RequestStatus
 from minivllm.engine.scheduler_output import (
     CachedRequestData,
     EngineCoreOutput,
+    HiSparseStats,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -45,6 +47,7 @@ class Scheduler:
         self.removed_req_ids: set[str] = set()
         self.num_preemptions = 0
         self.spec_stats: SpecDecodeStats | None = None  # set when drafts are proposed
+        self.hisparse_stats: HiSparseStats | None = None  # set with the host tier on
         # after a failed step: these requests run alone, in order, until each passes a step
         self.isolating: deque[str] = deque()
 
@@ -179,7 +182,12 @@ class Scheduler:
             )
 
         output = SchedulerOutput(
-            new_reqs, cached_reqs, scheduled, self.removed_req_ids, spec_tokens
+            new_reqs,
+            cached_reqs,
+            scheduled,
+            self.removed_req_ids,
+            spec_tokens,
+            self.kv.take_step_metadata(),
         )
         self.removed_req_ids = set()
         for req_id, num in scheduled.items():
@@ -217,6 +225,10 @@ class Scheduler:
     ) -> list[EngineCoreOutput]:
         """Append sampled tokens, apply token-level stop rules, free finished requests."""
         outputs = []
+        if runner_output.kv_connector_stats:
+            if self.hisparse_stats is None:
+                self.hisparse_stats = HiSparseStats()
+            self.hisparse_stats.add(runner_output.kv_connector_stats)
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status.is_finished:
@@ -311,4 +323,17 @@ class Scheduler:
             prefix_cache_queries=self.kv.num_queries,
             prefix_cache_hits=self.kv.num_hits,
             spec_decode=self.spec_stats,
+            hisparse=self._hisparse_stats(),
+        )
+
+    def _hisparse_stats(self) -> HiSparseStats | None:
+        num_host = getattr(self.kv, "num_host_blocks", None)
+        if num_host is None:
+            return None
+        stats = self.hisparse_stats or HiSparseStats()
+        return dataclasses.replace(
+            stats,
+            spills=self.kv.num_spills,
+            host_blocks_used=self.kv.host_blocks_used,
+            host_blocks_total=num_host,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from minivllm.sampling_params import SamplingParams
 
@@ -39,6 +40,8 @@ class SchedulerOutput:
     # req_id -> draft tokens to verify this step, after its last real token (in
     # num_scheduled_tokens); drafts the budget or the length limits cut are dropped.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # the KV manager's instructions to the runner for this step (HiSparse: page spills)
+    kv_connector_metadata: Any = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -67,6 +70,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # req_id -> draft tokens proposed for the next step (speculative decoding).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # HiSparse's resolver counts of this step (lookups, hits, misses, host_to_device_bytes)
+    kv_connector_stats: dict[str, int] | None = None
 
 
 @dataclass(slots=True)
@@ -91,6 +96,29 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     spec_decode: SpecDecodeStats | None = None  # totals since start, with speculative decoding
+    hisparse: HiSparseStats | None = None  # totals since start, with HiSparse on
+
+
+@dataclass(slots=True)
+class HiSparseStats:
+    """HiSparse's totals (vLLM's `hisparse_*` counters) and its host pool's use.
+
+    A lookup is one top-k-selected token of a host-backed request whose page is not
+    resident, per layer and step (a token selected by several query rows of one
+    verification counts once): a hit finds it in the request's hot buffer, a miss
+    copies its row in from the host pool."""
+
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    host_to_device_bytes: int = 0
+    spills: int = 0  # pages moved to the host pool
+    host_blocks_used: int = 0
+    host_blocks_total: int = 0
+
+    def add(self, counts: dict[str, int]) -> None:
+        for name in ("lookups", "hits", "misses", "host_to_device_bytes"):
+            setattr(self, name, getattr(self, name) + counts.get(name, 0))
 
 
 @dataclass(slots=True)

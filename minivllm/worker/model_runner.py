@@ -102,6 +102,7 @@ class ModelRunner:
             config.model.eos_token_ids,
         )
         self.requests: dict[str, CachedRequestState] = {}
+        self.hisparse = None  # HiSparse's runner side, once the KV cache exists
         self.input_batch = InputBatch(config.scheduler.max_num_seqs, self.vocab_size, self.device)
         self._log_choices(fused)
 
@@ -172,11 +173,37 @@ class ModelRunner:
         """One tensor per layer, allocated once, in the layout the attention backend chose."""
         for layer, spec in zip(self.attention_layers, self.kv_cache_specs):
             layer.kv_cache = self.attn_backend.allocate_kv_cache(spec, num_blocks, self.device)
+        if self.config.hisparse_config is not None:
+            self.hisparse = self._build_hisparse(num_blocks)
+            self.attn_backend.hisparse = self.hisparse
         if self.spec_decoder is not None:
             self.spec_decoder.proposer.kv_cache_allocated()
         spec = self.config.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
             self.spec_decoder.enable_adaptive(profile_step_cost(self, num_blocks))
+
+    def _build_hisparse(self, num_blocks: int):
+        from minivllm.distributed.parallel_state import get_tp_rank
+        from minivllm.hisparse.runtime import HiSparseRuntime, host_pool_blocks
+        from minivllm.layers.attention.mla import MLAAttention
+
+        config, parallel = self.config.hisparse_config, self.config.parallel
+        layers = [layer for layer in self.attention_layers if isinstance(layer, MLAAttention)]
+        if not layers or len(layers) != len(self.attention_layers) or not layers[0].is_sparse:
+            raise ValueError("HiSparse serves models whose every attention layer is sparse MLA")
+        spec = self.config.speculative_config
+        decode_query_len = 1 + spec.num_speculative_tokens if spec else 1
+        return HiSparseRuntime(
+            config,
+            layers,
+            num_blocks,
+            host_pool_blocks(config, self.kv_cache_bytes_per_block()),
+            self.block_size,
+            config.buffer_rows(decode_query_len, layers[0].index_topk),
+            self.config.model.dtype,
+            config.shared_path(parallel.ranks_per_node),
+            get_tp_rank() % parallel.ranks_per_node,
+        )
 
     def release(self) -> None:
         """Drop the weights, KV cache and proposer at shutdown, so they go even while
@@ -191,6 +218,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
+        if self.hisparse is not None:
+            block_ids = {rid: state.block_ids for rid, state in self.requests.items()}
+            self.hisparse.apply(scheduler_output.kv_connector_metadata, block_ids)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
@@ -204,6 +234,8 @@ class ModelRunner:
         num_sample_rows = len(inputs.sample_req_ids) + sum(map(len, inputs.spec_drafts))
         self._sample(inputs, logits[:num_sample_rows], output)
         self._prompt_logprobs(inputs, logits, output)
+        if self.hisparse is not None:
+            output.kv_connector_stats = self.hisparse.take_stats()
         return output
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
@@ -217,6 +249,8 @@ class ModelRunner:
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.removed_req_ids:
             self.requests.pop(req_id, None)
+        if self.hisparse is not None:
+            self.hisparse.remove(out.removed_req_ids)
         self.input_batch.remove(out.removed_req_ids)
         if self.spec_decoder is not None:
             self.spec_decoder.remove(out.removed_req_ids)
@@ -266,7 +300,13 @@ class ModelRunner:
             prompt_logprob_rows[req_id] = (len(logits_indices), targets)
             logits_indices.extend(rows)
         common = build_common_metadata(
-            slots, cu_seqlens_q, seq_lens, block_tables, self.block_size, self.device
+            slots,
+            cu_seqlens_q,
+            seq_lens,
+            block_tables,
+            self.block_size,
+            self.device,
+            list(out.num_scheduled_tokens),
         )
         return StepInputs(
             torch.tensor(token_ids, device=self.device),

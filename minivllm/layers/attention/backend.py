@@ -44,6 +44,7 @@ class CommonAttentionMetadata:
     block_table: torch.Tensor  # [num_reqs, max(num_blocks)] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot of each token
     block_size: int
+    req_ids: list[str] | None = None  # the requests, in batch order
 
     @property
     def num_reqs(self) -> int:
@@ -60,6 +61,7 @@ def build_common_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: str | torch.device,
+    req_ids: list[str] | None = None,
 ) -> CommonAttentionMetadata:
     """The step's metadata from Python lists (block tables zero-padded to one width)."""
     num_blocks = [len(blocks) for blocks in block_tables]
@@ -72,6 +74,7 @@ def build_common_metadata(
         block_table=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), width),
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
         block_size=block_size,
+        req_ids=req_ids,
     )
 
 

@@ -45,6 +45,7 @@ class MLAAttention(AttentionLayerBase):
         self.index_scale = index_head_dim**-0.5 if index_head_dim else 0.0
         object.__setattr__(self, "kv_b_proj", kv_b_proj)  # not a submodule: see above
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.layer_idx = 0  # among the model's MLA layers (HiSparse's host pool views)
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property

@@ -21,13 +21,20 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
-from minivllm.layers.attention.dsa import indexer_topk, mla_decode, mla_prefill, selection_mask
+from minivllm.layers.attention.dsa import (
+    gather_rows,
+    indexer_topk,
+    mla_decode,
+    mla_prefill,
+    selection_mask,
+)
 from minivllm.layers.attention.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 
 
 @dataclass(slots=True)
 class SparseMLAMetadata:
     slot_mapping: torch.Tensor  # [num_tokens]
+    req_ids: list[str]
     query_ranges: list[tuple[int, int]]  # per request: its token rows [start, end)
     seq_lens: list[int]  # per request: tokens in the cache after this step
     context_slots: list[torch.Tensor]  # per request: flat rows of its tokens 0..seq_len-1
@@ -38,6 +45,9 @@ class SparseMLAMetadata:
 class SparseMLABackend(AttentionBackend):
     name = "sparse_mla"
     spec_types = (MLAAttentionSpec,)
+    # HiSparse's runner side (`hisparse/runtime.py`) when the host tier is on: block
+    # tables may then name host pages, and decodes read them through hot buffers
+    hisparse = None
 
     def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         if not isinstance(spec, MLAAttentionSpec):
@@ -54,7 +64,8 @@ class SparseMLABackend(AttentionBackend):
         return latent, index
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SparseMLAMetadata:
-        meta = SparseMLAMetadata(common.slot_mapping, [], [], [], [], [])
+        req_ids = common.req_ids or [str(i) for i in range(common.num_reqs)]
+        meta = SparseMLAMetadata(common.slot_mapping, req_ids, [], [], [], [], [])
         offsets = torch.arange(common.block_size, device=common.slot_mapping.device)
         for i in range(common.num_reqs):
             start, end = common.query_start_loc[i], common.query_start_loc[i + 1]
@@ -101,32 +112,44 @@ class SparseMLABackend(AttentionBackend):
         self.write_cache(layer, kv_cache, c_kv, k_pe, index_k, meta.slot_mapping)
         latent_rows = kv_cache[0].view(-1, kv_cache[0].shape[-1])
         index_rows = kv_cache[1].view(-1, kv_cache[1].shape[-1])
+        tier = self.hisparse
+        host_latent = host_index = None
+        if tier is not None:
+            host_latent, host_index = (
+                tier.host_latent(layer.layer_idx),
+                tier.host_index(layer.layer_idx),
+            )
         out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
         for i, (start, end) in enumerate(meta.query_ranges):
             seq_len, slots = meta.seq_lens[i], meta.context_slots[i]
             positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-            topk = layer.index_topk if layer.is_sparse else seq_len
+            sparse = layer.is_sparse
             indices = indexer_topk(
-                index_q[start:end] if layer.is_sparse else q[start:end],
-                index_w[start:end] if layer.is_sparse else None,
+                index_q[start:end] if sparse else q[start:end],
+                index_w[start:end] if sparse else None,
                 slots.unsqueeze(0),
                 torch.zeros(end - start, dtype=torch.long, device=q.device),
                 positions,
                 index_rows,
-                None,
-                topk,
+                host_index,
+                layer.index_topk if sparse else seq_len,
                 layer.index_scale,
             )
             if meta.is_decode[i]:
-                rows = torch.where(indices >= 0, slots[indices.clamp(min=0)], -1)
+                if tier is None:
+                    rows = torch.where(indices >= 0, slots[indices.clamp(min=0)], -1)
+                else:
+                    rows = tier.resolve(layer.layer_idx, meta.req_ids[i], indices, slots)
                 w_uk, w_uv = layer.absorbed_weights()
                 out[start:end] = mla_decode(
                     q[start:end], latent_rows, w_uk, w_uv, rows, layer.scale
                 )
             else:
+                if tier is not None:
+                    tier.count_staged(slots)
                 out[start:end] = mla_prefill(
                     q[start:end],
-                    latent_rows[slots],
+                    gather_rows(latent_rows, host_latent, slots),
                     layer.kv_b_proj,
                     selection_mask(indices, seq_len),
                     layer.scale,
