@@ -20,7 +20,7 @@ BackendFactory = Callable[[Kernels, int], AttentionBackend]
 _BACKENDS: dict[str, BackendFactory] = {
     "torch": lambda kernels, decode_query_len: TorchAttentionBackend(decode_query_len),
     "cpu": CpuAttentionBackend,
-    "sparse_mla": lambda kernels, decode_query_len: SparseMLABackend(decode_query_len),
+    "sparse_mla": lambda kernels, decode_query_len: SparseMLABackend(decode_query_len, kernels),
 }
 
 

@@ -16,17 +16,18 @@ the selection, in the MHA form for prefill chunks and the absorbed form for deco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from minivllm.layers.attention.backend import AttentionBackend, CommonAttentionMetadata
 from minivllm.layers.attention.dsa import (
+    absorb_query,
     gather_rows,
     indexer_topk,
-    mla_decode,
     mla_prefill,
     selection_mask,
+    sparse_mla_decode,
 )
 from minivllm.layers.attention.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
 
@@ -40,6 +41,13 @@ class SparseMLAMetadata:
     context_slots: list[torch.Tensor]  # per request: flat rows of its tokens 0..seq_len-1
     is_decode: list[bool]  # per request: at most decode_query_len tokens this step
     prefill_req_indices: list[int]  # the others (the runner asks whether any exist)
+    # All decode requests as one batch: their query rows, each row's request among
+    # them and position, and their context rows (zero-padded to the longest).
+    decode_req_indices: list[int] = field(default_factory=list)
+    decode_token_rows: torch.Tensor | None = None  # [N] rows of q
+    decode_row_req: torch.Tensor | None = None  # [N] index into decode_req_indices
+    decode_positions: torch.Tensor | None = None  # [N]
+    decode_context_rows: torch.Tensor | None = None  # [num decode requests, max seq_len]
 
 
 class SparseMLABackend(AttentionBackend):
@@ -48,6 +56,13 @@ class SparseMLABackend(AttentionBackend):
     # HiSparse's runner side (`hisparse/runtime.py`) when the host tier is on: block
     # tables may then name host pages, and decodes read them through hot buffers
     hisparse = None
+
+    def __init__(self, decode_query_len: int = 1, kernels=None) -> None:
+        super().__init__(decode_query_len)
+        # compiled ops (bf16 CPU) where this engine has them, else the references
+        op = kernels.op if kernels is not None else (lambda name: None)
+        self.topk_op = op("dsa_indexer_topk")
+        self.decode_op = op("sparse_mla_decode")
 
     def kv_cache_shape(self, spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
         if not isinstance(spec, MLAAttentionSpec):
@@ -66,18 +81,36 @@ class SparseMLABackend(AttentionBackend):
     def build_metadata(self, common: CommonAttentionMetadata) -> SparseMLAMetadata:
         req_ids = common.req_ids or [str(i) for i in range(common.num_reqs)]
         meta = SparseMLAMetadata(common.slot_mapping, req_ids, [], [], [], [], [])
-        offsets = torch.arange(common.block_size, device=common.slot_mapping.device)
+        device = common.slot_mapping.device
+        offsets = torch.arange(common.block_size, device=device)
+        token_rows, row_req, positions = [], [], []
         for i in range(common.num_reqs):
             start, end = common.query_start_loc[i], common.query_start_loc[i + 1]
+            seq_len = common.seq_lens[i]
             blocks = common.block_table[i, : common.num_blocks[i]]
             slots = (blocks.unsqueeze(1) * common.block_size + offsets).flatten()
             meta.query_ranges.append((start, end))
-            meta.seq_lens.append(common.seq_lens[i])
-            meta.context_slots.append(slots[: common.seq_lens[i]])
+            meta.seq_lens.append(seq_len)
+            meta.context_slots.append(slots[:seq_len])
             decode = end - start <= self.decode_query_len
             meta.is_decode.append(decode)
             if not decode:
                 meta.prefill_req_indices.append(i)
+                continue
+            for j in range(end - start):
+                token_rows.append(start + j)
+                row_req.append(len(meta.decode_req_indices))
+                positions.append(seq_len - (end - start) + j)
+            meta.decode_req_indices.append(i)
+        if meta.decode_req_indices:
+            width = max(meta.seq_lens[i] for i in meta.decode_req_indices)
+            rows = torch.zeros(len(meta.decode_req_indices), width, dtype=torch.long, device=device)
+            for n, i in enumerate(meta.decode_req_indices):
+                rows[n, : meta.seq_lens[i]] = meta.context_slots[i]
+            meta.decode_context_rows = rows
+            meta.decode_token_rows = torch.tensor(token_rows, dtype=torch.long, device=device)
+            meta.decode_row_req = torch.tensor(row_req, dtype=torch.long, device=device)
+            meta.decode_positions = torch.tensor(positions, dtype=torch.long, device=device)
         return meta
 
     def write_cache(
@@ -110,50 +143,99 @@ class SparseMLABackend(AttentionBackend):
     ) -> torch.Tensor:
         """Write this step's latents (and indexer keys), then attend -> [T, H, v_head_dim]."""
         self.write_cache(layer, kv_cache, c_kv, k_pe, index_k, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
+        if meta.decode_req_indices:
+            self._decode(layer, q, index_q, index_w, kv_cache, meta, out)
+        for i in meta.prefill_req_indices:
+            self._prefill(layer, i, q, index_q, index_w, kv_cache, meta, out)
+        return out
+
+    def _host(self, layer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if self.hisparse is None:
+            return None, None
+        return self.hisparse.host_latent(layer.layer_idx), self.hisparse.host_index(layer.layer_idx)
+
+    def _select(
+        self,
+        layer,
+        index_q: torch.Tensor | None,
+        index_w: torch.Tensor | None,
+        context_rows: torch.Tensor,
+        row_req: torch.Tensor,
+        positions: torch.Tensor,
+        index_rows: torch.Tensor,
+        host_index: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Token indices each query row attends to ([N, k], ascending, -1-padded)."""
+        if not layer.is_sparse or int(positions.max()) < layer.index_topk:
+            # every row sees at most index_topk tokens: all of them, no scoring
+            width = int(positions.max()) + 1
+            ar = torch.arange(width, device=positions.device)
+            return torch.where(ar <= positions.unsqueeze(1), ar, -1)
+        args = (index_q, index_w, context_rows, row_req, positions, index_rows)
+        if self.topk_op is not None and index_q.dtype == torch.bfloat16:
+            host = host_index if host_index is not None else index_rows[:0]
+            return self.topk_op(*args, host, layer.index_topk, layer.index_scale)
+        return indexer_topk(*args, host_index, layer.index_topk, layer.index_scale)
+
+    def _decode(self, layer, q, index_q, index_w, kv_cache, meta, out) -> None:
+        """Every decode row of the step at once, in the absorbed form over its selection."""
         latent_rows = kv_cache[0].view(-1, kv_cache[0].shape[-1])
         index_rows = kv_cache[1].view(-1, kv_cache[1].shape[-1])
-        tier = self.hisparse
-        host_latent = host_index = None
-        if tier is not None:
-            host_latent, host_index = (
-                tier.host_latent(layer.layer_idx),
-                tier.host_index(layer.layer_idx),
-            )
-        out = q.new_empty(q.shape[0], layer.num_heads, layer.v_head_dim)
-        for i, (start, end) in enumerate(meta.query_ranges):
-            seq_len, slots = meta.seq_lens[i], meta.context_slots[i]
-            positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-            sparse = layer.is_sparse
-            indices = indexer_topk(
-                index_q[start:end] if sparse else q[start:end],
-                index_w[start:end] if sparse else None,
-                slots.unsqueeze(0),
-                torch.zeros(end - start, dtype=torch.long, device=q.device),
-                positions,
-                index_rows,
-                host_index,
-                layer.index_topk if sparse else seq_len,
-                layer.index_scale,
-            )
-            if meta.is_decode[i]:
-                if tier is None:
-                    rows = torch.where(indices >= 0, slots[indices.clamp(min=0)], -1)
-                else:
-                    rows = tier.resolve(layer.layer_idx, meta.req_ids[i], indices, slots)
-                w_uk, w_uv = layer.absorbed_weights()
-                out[start:end] = mla_decode(
-                    q[start:end], latent_rows, w_uk, w_uv, rows, layer.scale
+        rows_q = meta.decode_token_rows
+        sparse = layer.is_sparse
+        indices = self._select(
+            layer,
+            index_q[rows_q] if sparse else None,
+            index_w[rows_q] if sparse else None,
+            meta.decode_context_rows,
+            meta.decode_row_req,
+            meta.decode_positions,
+            index_rows,
+            self._host(layer)[1],
+        )
+        context = meta.decode_context_rows[meta.decode_row_req]  # [N, width]
+        rows = torch.where(indices >= 0, context.gather(1, indices.clamp(min=0)), -1)
+        if self.hisparse is not None:
+            for n, i in enumerate(meta.decode_req_indices):
+                mine = (meta.decode_row_req == n).nonzero().flatten()
+                rows[mine] = self.hisparse.resolve(
+                    layer.layer_idx, meta.req_ids[i], indices[mine], meta.context_slots[i]
                 )
-            else:
-                if tier is not None:
-                    tier.count_staged(slots)
-                out[start:end] = mla_prefill(
-                    q[start:end],
-                    gather_rows(latent_rows, host_latent, slots),
-                    layer.kv_b_proj,
-                    selection_mask(indices, seq_len),
-                    layer.scale,
-                    layer.kv_lora_rank,
-                    layer.v_head_dim,
-                )
-        return out
+        w_uk, w_uv = layer.absorbed_weights()
+        q_abs = absorb_query(q[rows_q], w_uk)
+        if self.decode_op is not None and q_abs.dtype == torch.bfloat16:
+            out_lat = self.decode_op(q_abs, latent_rows, rows, layer.kv_lora_rank, layer.scale)
+        else:
+            out_lat = sparse_mla_decode(q_abs, latent_rows, rows, layer.kv_lora_rank, layer.scale)
+        out[rows_q] = torch.einsum("qhc,hvc->qhv", out_lat, w_uv)
+
+    def _prefill(self, layer, i, q, index_q, index_w, kv_cache, meta, out) -> None:
+        """One request's prefill chunk: causal over its context, in the MHA form."""
+        latent_rows = kv_cache[0].view(-1, kv_cache[0].shape[-1])
+        index_rows = kv_cache[1].view(-1, kv_cache[1].shape[-1])
+        host_latent, host_index = self._host(layer)
+        (start, end), seq_len, slots = meta.query_ranges[i], meta.seq_lens[i], meta.context_slots[i]
+        positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
+        sparse = layer.is_sparse
+        indices = self._select(
+            layer,
+            index_q[start:end] if sparse else None,
+            index_w[start:end] if sparse else None,
+            slots.unsqueeze(0),
+            torch.zeros(end - start, dtype=torch.long, device=q.device),
+            positions,
+            index_rows,
+            host_index,
+        )
+        if self.hisparse is not None:
+            self.hisparse.count_staged(slots)
+        out[start:end] = mla_prefill(
+            q[start:end],
+            gather_rows(latent_rows, host_latent, slots),
+            layer.kv_b_proj,
+            selection_mask(indices, seq_len),
+            layer.scale,
+            layer.kv_lora_rank,
+            layer.v_head_dim,
+        )
