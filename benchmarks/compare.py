@@ -58,6 +58,11 @@ def run_minivllm(model: str, reps: int, workloads: list[str]) -> dict:
 
 
 def run_transformers(model: str, reps: int, workloads: list[str]) -> dict:
+    return _workloads(transformers_generator(model), reps, workloads)
+
+
+def transformers_generator(model: str):
+    """gen(prompts, new): transformers' bf16 greedy generate of exactly `new` tokens each."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -75,7 +80,7 @@ def run_transformers(model: str, reps: int, workloads: list[str]) -> dict:
                 pad_token_id=0,
             )
 
-    return _workloads(gen, reps, workloads)
+    return gen
 
 
 def _workloads(gen, reps: int, workloads: list[str]) -> dict:

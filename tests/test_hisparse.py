@@ -250,3 +250,20 @@ def test_configuration_errors(dsa_long, kwargs, message) -> None:
 def test_a_model_without_an_indexer_is_refused(make_checkpoint) -> None:
     with pytest.raises(ValueError, match="HiSparse serves sparse-attention models"):
         LLM(str(make_checkpoint("Qwen3ForCausalLM")), kv_transfer_config=connector())
+
+
+def test_bf16_kernel_path_identical_with_host_tier(dsa_long) -> None:
+    """bf16 with the compiled DSA ops where this CPU has them (the path users run)."""
+    prompts = _prompts([300, 520, 200], seed=11)
+    bf16 = dict(dtype="bfloat16", max_num_batched_tokens=64)
+    half = BLOCK_BYTES // 2
+    _, want = _run(dsa_long, prompts, kv_cache_memory_bytes=300 * half, **bf16)
+    llm, got = _run(
+        dsa_long,
+        prompts,
+        kv_cache_memory_bytes=24 * half,
+        kv_transfer_config=connector(),
+        **bf16,
+    )
+    _assert_identical(got, want)
+    assert llm.llm_engine.stats().hisparse.misses > 0

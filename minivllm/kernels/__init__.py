@@ -43,6 +43,8 @@ def get_cpu_kernels() -> ModuleType | None:
             "watermark.cpp",
             "quant_gemm.cpp",
             "quant_w8a8.cpp",
+            "dsa.cpp",
+            "moe.cpp",
         )
     ]
     # cpp_extension rebuilds when the sources or flags change; the headers' hash, as a

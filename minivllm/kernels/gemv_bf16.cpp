@@ -153,5 +153,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);
   m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache", nogil);
   m.def("write_kv_cache", &write_kv_cache, "write a step's keys and values into the paged cache", nogil);
+  m.def("dsa_indexer_topk", &dsa_indexer_topk,
+        "DSA lightning indexer: each query row's top-k tokens, ascending, -1-padded", nogil);
+  m.def("sparse_mla_decode", &sparse_mla_decode, "absorbed-MLA decode over selected latent rows", nogil);
+  m.def("moe_experts", &moe_experts, "routed MoE experts for a few tokens, grouped by expert", nogil);
   m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention", nogil);
 }

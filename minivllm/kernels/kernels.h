@@ -85,6 +85,15 @@ void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torc
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x);
 torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                  const torch::Tensor& scale, const torch::Tensor& bias);
+// DeepSeek sparse attention (dsa.cpp) and routed experts (moe.cpp); the references are
+// minivllm/layers/attention/dsa.py and minivllm/layers/moe.py.
+torch::Tensor dsa_indexer_topk(torch::Tensor index_q, torch::Tensor index_w, torch::Tensor key_rows,
+                               torch::Tensor row_req, torch::Tensor positions, torch::Tensor keys,
+                               c10::optional<torch::Tensor> host_keys, int64_t topk, double scale);
+torch::Tensor sparse_mla_decode(torch::Tensor q_abs, torch::Tensor latent, torch::Tensor rows, int64_t kv_lora,
+                                double scale);
+torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor weights,
+                          torch::Tensor ids);
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                   std::vector<torch::Tensor> packed, int64_t max_kernel_rows,
                                   std::vector<int64_t> quant_kinds, std::vector<torch::Tensor> quant,

@@ -75,6 +75,9 @@ register_family(
             "watermark_argmax",
             "quant_linear",
             "quantize_per_token_int8",
+            "dsa_indexer_topk",
+            "sparse_mla_decode",
+            "moe_experts",
         )
     },
 )

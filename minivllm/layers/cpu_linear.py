@@ -49,7 +49,7 @@ class CpuLinearKernel:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if x.dtype != torch.bfloat16:
+        if x.dtype != torch.bfloat16 or rows.shape[0] == 0:  # 0 rows: a step that samples none
             return F.linear(x, weight, bias)
         packed = self.packed_weight
         if rows.shape[0] <= (MAX_KERNEL_ROWS if packed is None else MAX_KERNEL_ROWS_PACKED):

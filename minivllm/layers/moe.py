@@ -16,11 +16,15 @@ sum, all-reduced once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from minivllm.kernels.registry import Kernels
+from minivllm.layers.custom_op import CustomOp
 from minivllm.layers.linear import divide
 
 
@@ -114,11 +118,14 @@ class GroupedTopKRouter(nn.Module):
         )
 
 
-class FusedMoE(nn.Module):
-    """The routed experts, stacked; returns the routed output of a token batch (all-reduced)."""
+class FusedMoE(CustomOp):
+    """The routed experts, stacked; returns the routed output of a token batch (all-reduced).
+    On bf16 CPUs with the kernels, one call (`kernels/moe.cpp`) reads each chosen expert's
+    weights once for all the tokens that chose it."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.moe_op: Callable[..., torch.Tensor] | None = None
         self.num_experts = num_experts
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.intermediate = divide(intermediate_size, self.tp_size)
@@ -144,5 +151,16 @@ class FusedMoE(nn.Module):
             )
         dst.copy_(src)
 
+    def select_kernels(self, kernels: Kernels) -> None:
+        self.moe_op = kernels.op("moe_experts")
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.moe_op is not None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return tp_all_reduce(moe_reference(x, self.w13, self.w2, weights, ids))
+        if self.moe_op is not None and x.dtype == torch.bfloat16:
+            out = self.moe_op(x.contiguous(), self.w13, self.w2, weights, ids)
+        else:
+            out = moe_reference(x, self.w13, self.w2, weights, ids)
+        return tp_all_reduce(out)
