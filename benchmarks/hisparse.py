@@ -8,8 +8,10 @@ hidden 1024, 12 layers (1 dense, 11 MoE of 32 experts, top-4 in 4 groups, 1 shar
 16 heads of MLA (q_lora 384, kv_lora 256, nope 64, rope 32, v 64), an indexer of 16 x 64
 heads, index_topk 512.
 
-Sections (greedy, EOS ignored; decode time = time(prompt + 1 + N tokens) - time(prompt +
-1 token), so prefill is not counted; medians of --reps):
+Sections (greedy, EOS ignored; prefill is never counted: for `throughput` decode time =
+time(prompt + 1 + N tokens) - time(prompt + 1 token), medians of --reps, the same for
+both engines; the minivllm-only sections time the engine's steps after every request
+has its first token, one run each):
   throughput  decode tok/s at batch 1 and 16 after 1,024-token prompts, minivllm vs
               transformers (each engine in its own subprocess, one after the other)
   context     minivllm batch-1 decode ms/token at contexts 1k ... 32k: flat once the
@@ -91,6 +93,24 @@ def _decode_seconds(gen, prompts, new: int, reps: int) -> float:
     return statistics.median(diffs)
 
 
+def _stepped_decode_seconds(llm, prompts, new: int) -> float:
+    """minivllm alone: step the engine through the prefill (until every request has its
+    first token), then time the steps of the remaining `new` tokens."""
+    from minivllm import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=1 + new, ignore_eos=True, detokenize=False)
+    for p in prompts:
+        engine.add_request(None, {"prompt_token_ids": p}, params)
+    requests = engine.scheduler.requests
+    while engine.scheduler.waiting or any(r.num_output_tokens < 1 for r in requests.values()):
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return time.perf_counter() - start
+
+
 def _minivllm_gen(model: str, max_model_len: int, **kwargs):
     from minivllm import LLM, SamplingParams
 
@@ -126,10 +146,10 @@ def throughput_child(engine: str, model: str, reps: int, new: int) -> dict:
 
 
 def context_child(model: str, reps: int, new: int, contexts: list[int]) -> dict:
-    _, gen = _minivllm_gen(model, max(contexts) + new + 8, max_num_batched_tokens=1024)
+    llm, _ = _minivllm_gen(model, max(contexts) + new + 8, max_num_batched_tokens=1024)
     result = {}
     for ctx in contexts:
-        seconds = _decode_seconds(gen, _prompts(1, ctx, seed=ctx), new, reps)
+        seconds = _stepped_decode_seconds(llm, _prompts(1, ctx, seed=ctx), new)
         result[str(ctx)] = 1000 * seconds / new
         print(f"  context {ctx}: {result[str(ctx)]:.1f} ms/token", file=sys.stderr, flush=True)
     return result
@@ -155,9 +175,9 @@ def hisparse_child(model: str, reps: int, new: int, context: int, batch: int, mo
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
-    llm, gen = _minivllm_gen(model, context + new + 64, **kwargs)
+    llm, _ = _minivllm_gen(model, context + new + 64, **kwargs)
     prompts = _prompts(batch, context, seed=context + batch)
-    seconds = _decode_seconds(gen, prompts, new, reps)
+    seconds = _stepped_decode_seconds(llm, prompts, new)
     stats = llm.llm_engine.stats()
     out = {"tok_s": batch * new / seconds, "preemptions": stats.num_preemptions}
     if stats.hisparse is not None:

@@ -8,7 +8,9 @@ logprobs must be equal exactly, not within a tolerance.
 from __future__ import annotations
 
 import glob
+import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -267,3 +269,41 @@ def test_bf16_kernel_path_identical_with_host_tier(dsa_long) -> None:
     )
     _assert_identical(got, want)
     assert llm.llm_engine.stats().hisparse.misses > 0
+
+
+def test_server_with_the_host_tier(tmp_path) -> None:
+    """`minivllm serve demo-sparse --kv-transfer-config ...` answers the real openai client
+    with the all-resident engine's tokens, and /metrics shows the tier's counters."""
+    import httpx
+    import openai
+
+    from tests.server_utils import RemoteServer
+
+    # demo-sparse: 2 layers x 16 tokens x (latent 80 + index key 32) float32 values a block
+    block_bytes = 2 * 16 * (80 + 32) * 4
+    common = ["--dtype", "float32", "--block-size", "16", "--max-num-batched-tokens", "64"]
+    tier = json.dumps(connector(gib=0.01))
+    server = RemoteServer(
+        "demo-sparse",
+        [*common, "--kv-cache-memory-bytes", str(24 * block_bytes), "--kv-transfer-config", tier],
+        tmp_path / "server.log",
+    )
+    prompt = " ".join(["The os module provides a portable way of using the system."] * 40)
+    try:
+        client = openai.OpenAI(base_url=server.wait_ready().url + "/v1", api_key="none")
+        got = client.completions.create(
+            model="demo-sparse", prompt=prompt, max_tokens=24, temperature=0
+        )
+        metrics = httpx.get(server.url + "/metrics").text
+    finally:
+        server.stop()
+    want = LLM(
+        "demo-sparse",
+        dtype="float32",
+        block_size=16,
+        max_num_batched_tokens=64,
+        kv_cache_memory_bytes=200 * block_bytes,
+    ).generate(prompt, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    assert got.choices[0].text == want[0].outputs[0].text
+    misses = re.search(r"^minivllm:hisparse_cache_misses_total\{[^}]*\} (\S+)", metrics, re.M)
+    assert misses is not None and float(misses.group(1)) > 0

@@ -211,7 +211,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         default=d["attention_backend"],
         help="attention backend: torch (plain PyTorch, any device) or cpu (bf16 CPU kernels) "
-        "(default: chosen for the machine)",
+        "for full K/V; sparse_mla for DeepSeek's latent caches (default: chosen for the "
+        "model and the machine)",
     )
     run.add_argument(
         "--load-format",

@@ -211,7 +211,9 @@ class SparseMLABackend(AttentionBackend):
         out[rows_q] = torch.einsum("qhc,hvc->qhv", out_lat, w_uv)
 
     def _prefill(self, layer, i, q, index_q, index_w, kv_cache, meta, out) -> None:
-        """One request's prefill chunk: causal over its context, in the MHA form."""
+        """One request's prefill chunk over its context and selection: in the MHA form
+        (`kv_b_proj` expands the context latents; the plain-PyTorch path, as transformers
+        computes), or with the compiled ops in the absorbed form over the selected rows."""
         latent_rows = kv_cache[0].view(-1, kv_cache[0].shape[-1])
         index_rows = kv_cache[1].view(-1, kv_cache[1].shape[-1])
         host_latent, host_index = self._host(layer)
@@ -230,9 +232,18 @@ class SparseMLABackend(AttentionBackend):
         )
         if self.hisparse is not None:
             self.hisparse.count_staged(slots)
+        context = gather_rows(latent_rows, host_latent, slots)  # [seq_len, kv_lora + rope]
+        if self.decode_op is not None and q.dtype == torch.bfloat16:
+            # the compiled path attends in the absorbed form over each query's selection
+            # (index_topk rows, not the whole context: the sparse prefill)
+            w_uk, w_uv = layer.absorbed_weights()
+            q_abs = absorb_query(q[start:end], w_uk)
+            out_lat = self.decode_op(q_abs, context, indices, layer.kv_lora_rank, layer.scale)
+            out[start:end] = torch.einsum("qhc,hvc->qhv", out_lat, w_uv)
+            return
         out[start:end] = mla_prefill(
             q[start:end],
-            gather_rows(latent_rows, host_latent, slots),
+            context,
             layer.kv_b_proj,
             selection_mask(indices, seq_len),
             layer.scale,
