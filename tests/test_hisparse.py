@@ -307,3 +307,40 @@ def test_server_with_the_host_tier(tmp_path) -> None:
     assert got.choices[0].text == want[0].outputs[0].text
     misses = re.search(r"^minivllm:hisparse_cache_misses_total\{[^}]*\} (\S+)", metrics, re.M)
     assert misses is not None and float(misses.group(1)) > 0
+
+
+def test_a_lone_request_at_the_minimum_budget_progresses(dsa_long) -> None:
+    """With 128-token chunks (8 pages) and the least device budget HiSparse accepts (hot
+    buffer, tail pages, one chunk), a long prompt still runs through without preemption:
+    the pages written in the previous step are spillable in this one. (Protecting them
+    too once made this request preempt itself and recompute forever.)"""
+    prompt = _prompts([700], seed=13)[0]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(BASE, max_num_batched_tokens=128, max_model_len=1024)
+    want = LLM(str(dsa_long), kv_cache_memory_bytes=100 * BLOCK_BYTES, **kwargs).generate(
+        [{"prompt_token_ids": prompt}], params, use_tqdm=False
+    )
+    least = 2 + 3 + 8  # hot buffer (2 x index_topk rows), tail pages + 1, one chunk
+    llm = LLM(
+        str(dsa_long),
+        kv_cache_memory_bytes=least * BLOCK_BYTES,
+        kv_transfer_config=connector(),
+        **kwargs,
+    )
+    with pytest.raises(ValueError, match="one request needs 13"):
+        LLM(
+            str(dsa_long),
+            kv_cache_memory_bytes=(least - 1) * BLOCK_BYTES,
+            kv_transfer_config=connector(),
+            **kwargs,
+        )
+    engine = llm.llm_engine
+    engine.add_request("r", {"prompt_token_ids": prompt}, params)
+    outputs = []
+    for _ in range(200):  # 6 prefill chunks and 8 tokens need 14 steps
+        outputs += engine.step()
+        if not engine.has_unfinished_requests():
+            break
+    assert not engine.has_unfinished_requests()
+    assert engine.stats().num_preemptions == 0 and engine.stats().hisparse.spills > 0
+    assert outputs[-1].outputs[0].token_ids == want[0].outputs[0].token_ids

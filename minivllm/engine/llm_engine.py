@@ -114,8 +114,7 @@ class LLMEngine:
                     f"max_num_batched_tokens chunk): raise kv_cache_memory_bytes to at least "
                     f"{least * per_block} or lower max_num_batched_tokens"
                 )
-            needed = least
-        if num_blocks < needed:
+        if num_blocks < needed and self.config.hisparse_config is None:
             raise ValueError(
                 f"the KV cache budget of {budget} bytes holds {num_blocks * cache.block_size} tokens, "
                 f"fewer than one max_model_len={max_len} sequence; raise kv_cache_memory_bytes "

@@ -89,15 +89,14 @@ class HiSparseKVCacheManager(KVCacheManager):
     ) -> list[KVBlock] | None:
         computed = new_computed_blocks or []
         rid = request.request_id
-        first_page = request.num_computed_tokens // self.block_size + len(computed)
-        self.write_from[rid] = min(self.write_from.get(rid, first_page), first_page)
+        # pages from here on are written this step: never spilled while it is planned
+        self.write_from[rid] = request.num_computed_tokens // self.block_size + len(computed)
         args = (request, num_new_tokens, new_computed_blocks, num_lookahead_tokens)
         blocks = super().allocate_slots(*args)
         if blocks is None and self._make_room(self._num_free_needed(*args)):
             blocks = super().allocate_slots(*args)
         if blocks is None:
             return None
-        self.write_from[rid] = first_page
         if self.eager_host_mirror:
             self._mirror_full_pages(request)
         return blocks
