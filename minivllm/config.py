@@ -191,6 +191,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.hisparse_config is not None and self.device != "cpu":
+            # its copies and hot-buffer indexing assume one memory; a CUDA tier (pinned
+            # host pool, H2D copies on a side stream) has not been built or tested
+            raise ValueError(f"HiSparse runs on CPU engines only so far, not on {self.device!r}")
         self.parallel.verify(self.model.hf_config, self.device)
 
 
