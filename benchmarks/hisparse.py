@@ -158,8 +158,6 @@ def context_child(model: str, reps: int, new: int, contexts: list[int]) -> dict:
 def hisparse_child(model: str, reps: int, new: int, context: int, batch: int, mode: str) -> dict:
     """One configuration: mode is resident, ram or mmap. The tier runs get a device budget
     of a quarter of the batch's context; the resident run enough for all of it."""
-    from minivllm.utils.memory import default_kv_cache_bytes  # noqa: F401 (import check)
-
     per_token = DSV32_400M["num_hidden_layers"] * (256 + 32 + 64) * 2
     total = batch * (context + new + 64)
     kwargs: dict = dict(max_num_batched_tokens=1024, max_num_seqs=batch)

@@ -188,6 +188,12 @@ class EngineConfig:
     # HiSparse's host KV tier under sparse attention (`hisparse/config.py`); None: off.
     hisparse_config: Any = None
 
+    @property
+    def decode_query_len(self) -> int:
+        """Query tokens of a decode: 1, or 1 + the drafts a verification checks."""
+        spec = self.speculative_config
+        return 1 + spec.num_speculative_tokens if spec else 1
+
     def __post_init__(self) -> None:
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")

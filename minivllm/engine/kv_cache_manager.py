@@ -80,10 +80,8 @@ class KVCacheManager:
         """
         computed = new_computed_blocks or []
         blocks = self.req_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
-        num_total = num_computed + num_new_tokens
-        num_slots = num_total + num_lookahead_tokens
-        num_needed = -(-num_slots // self.block_size) - len(blocks) - len(computed)
+        num_total = request.num_computed_tokens + len(computed) * self.block_size + num_new_tokens
+        num_needed = self._num_new_blocks(request, num_new_tokens, computed, num_lookahead_tokens)
         num_evictable_hits = sum(1 for b in computed if b.ref_cnt == 0)
         if num_needed > self.pool.num_free_blocks - num_evictable_hits:
             return None
@@ -94,6 +92,19 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, num_total)
         return new_blocks
+
+    def _num_new_blocks(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed: list[KVBlock],
+        num_lookahead_tokens: int,
+    ) -> int:
+        """Blocks the request lacks for its computed, new and lookahead tokens."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+        return -(-num_slots // self.block_size) - len(blocks) - len(computed)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first, so its prefix outlives its tail in the cache."""

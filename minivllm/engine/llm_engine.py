@@ -76,10 +76,8 @@ class LLMEngine:
         return host_pool_blocks(self.config.hisparse_config, per_block)
 
     def _hot_buffer_rows(self) -> int:
-        spec = self.config.speculative_config
-        decode_query_len = 1 + spec.num_speculative_tokens if spec else 1
         topk = self.config.model.hf_config.index_topk
-        return self.config.hisparse_config.buffer_rows(decode_query_len, topk)
+        return self.config.hisparse_config.buffer_rows(self.config.decode_query_len, topk)
 
     def _hisparse_minimum_blocks(self, per_block: int) -> int:
         """With the host tier, the device must hold what one request needs at once: its

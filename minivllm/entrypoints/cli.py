@@ -194,17 +194,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-transfer-config",
         metavar="JSON",
         default=d["kv_transfer_config"],
-        help="a KV connector, as vLLM's; minivllm runs HiSparse's, a host-memory KV tier "
-        'under sparse attention (DeepSeek-V3.2): \'{"kv_connector": "HiSparseConnector", '
-        '"kv_role": "kv_both", "kv_connector_extra_config": {"host_pool_gib": 8}}\' '
-        '(add "host_pool_file": PATH to back it by a file on disk; docs/sparse-attention.md)',
+        help="HiSparse's host KV tier (sparse models), as vLLM's: '{\"kv_connector\": "
+        '"HiSparseConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+        '{"host_pool_gib": 8}}\' (docs/sparse-attention.md)',
     )
     run.add_argument(
         "--attention-config",
         metavar="JSON",
         default=d["attention_config"],
-        help='attention tuning, as vLLM\'s: \'{"hisparse_config": {"device_buffer_size": 256, '
-        '"eager_host_mirror": true}}\' (only with the HiSparse connector)',
+        help='\'{"hisparse_config": {"device_buffer_size": N, "eager_host_mirror": B}}\'',
     )
     run.add_argument(
         "--attention-backend",

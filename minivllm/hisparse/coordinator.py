@@ -108,12 +108,9 @@ class HiSparseKVCacheManager(KVCacheManager):
         new_computed_blocks: list[KVBlock] | None,
         num_lookahead_tokens: int,
     ) -> int:
-        """Free blocks `allocate_slots` would need to succeed (as the base class counts)."""
+        """Free blocks `allocate_slots` would need to succeed."""
         computed = new_computed_blocks or []
-        blocks = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed) * self.block_size
-        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
-        num_needed = -(-num_slots // self.block_size) - len(blocks) - len(computed)
+        num_needed = self._num_new_blocks(request, num_new_tokens, computed, num_lookahead_tokens)
         return num_needed + sum(1 for b in computed if b.ref_cnt == 0)
 
     def _spillable(self, rid: str) -> list[int]:

@@ -108,7 +108,7 @@ class HiSparseRuntime:
 
     # -- per step ------------------------------------------------------------------
 
-    def apply(self, meta: HiSparseStepMetadata | None, block_ids: dict[str, list[int]]) -> None:
+    def apply(self, meta: HiSparseStepMetadata | None, requests: dict) -> None:
         """Before the forward: page copies (spills and mirrors), block tables, new hot buffers."""
         self.step += 1
         if meta is None:
@@ -124,11 +124,11 @@ class HiSparseRuntime:
                 self.pool.latent(i).index_copy_(0, dst, latent.view(-1, latent.shape[-1])[src])
                 self.pool.index(i).index_copy_(0, dst, index.view(-1, index.shape[-1])[src])
         for rid, updates in meta.page_updates.items():
-            blocks = block_ids.get(rid)
-            if blocks is None:
+            state = requests.get(rid)  # the runner's per-request state (its block ids)
+            if state is None:
                 continue  # removed in this step already
             for page, block_id in updates:
-                blocks[page] = block_id
+                state.block_ids[page] = block_id
         for rid, hot in meta.hot_blocks.items():
             rows = torch.tensor(hot).unsqueeze(1) * self.block_size + torch.arange(self.block_size)
             rows = rows.flatten()[: self.buffer_rows]

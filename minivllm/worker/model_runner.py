@@ -70,11 +70,9 @@ class ModelRunner:
             layer.get_kv_cache_spec(self.block_size, config.model.dtype)
             for layer in self.attention_layers
         ]
-        spec = config.speculative_config
         # verifying k drafts is a decode of 1 + k query tokens
-        decode_query_len = 1 + spec.num_speculative_tokens if spec else 1
         self.attn_backend = select_attention_backend(
-            config.attention_backend, self.kernels, decode_query_len, self._spec_type()
+            config.attention_backend, self.kernels, config.decode_query_len, self._spec_type()
         )
         # Steps where every request decodes may run all layers in one kernel call (CPU bf16).
         self.fused_decode: FusedLlamaDecode | None = None
@@ -191,15 +189,13 @@ class ModelRunner:
         layers = [layer for layer in self.attention_layers if isinstance(layer, MLAAttention)]
         if not layers or len(layers) != len(self.attention_layers) or not layers[0].is_sparse:
             raise ValueError("HiSparse serves models whose every attention layer is sparse MLA")
-        spec = self.config.speculative_config
-        decode_query_len = 1 + spec.num_speculative_tokens if spec else 1
         return HiSparseRuntime(
             config,
             layers,
             num_blocks,
             host_pool_blocks(config, self.kv_cache_bytes_per_block()),
             self.block_size,
-            config.buffer_rows(decode_query_len, layers[0].index_topk),
+            config.buffer_rows(self.config.decode_query_len, layers[0].index_topk),
             self.config.model.dtype,
             config.shared_path(parallel.ranks_per_node),
             get_tp_rank() % parallel.ranks_per_node,
@@ -219,8 +215,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
         if self.hisparse is not None:
-            block_ids = {rid: state.block_ids for rid, state in self.requests.items()}
-            self.hisparse.apply(scheduler_output.kv_connector_metadata, block_ids)
+            self.hisparse.apply(scheduler_output.kv_connector_metadata, self.requests)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         inputs = self._prepare_inputs(scheduler_output)
