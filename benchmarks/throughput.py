@@ -11,10 +11,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import sys
 import time
 
 import torch
+
+
+def isa_cap_environment(isa: str) -> dict[str, str]:
+    """The variables that cap each library at `isa`: ATen's vectorised kernels, oneDNN's JIT,
+    MKL's BLAS and minivllm's own kernels all then take their AVX2 code paths."""
+    assert isa == "avx2"
+    return {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+        "MINIVLLM_CPU_ISA": "avx2",
+    }
 
 
 def make_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -52,12 +66,12 @@ def run_minivllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
     }
 
 
-def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
+def run_transformers(args: argparse.Namespace, prompts: list[list[int]], dtype: str) -> dict:
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
-        args.model, dtype=getattr(torch, args.dtype)
+        args.model, dtype="auto" if dtype == "auto" else getattr(torch, dtype)
     ).eval()
     batch = args.hf_batch_size or len(prompts)
     start = time.perf_counter()
@@ -76,6 +90,7 @@ def run_transformers(args: argparse.Namespace, prompts: list[list[int]]) -> dict
         num_out += (out.shape[1] - len(chunk[0])) * len(chunk)
     return {
         "engine": "transformers",
+        "dtype": dtype,
         "seconds": time.perf_counter() - start,
         "output_tokens": num_out,
     }
@@ -95,8 +110,35 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["auto", "bfloat16", "float32", "float16"],
+        help="minivllm's dtype (auto: the checkpoint's, or float32 on a CPU without "
+        "AVX512-BF16) and, unless --transformers-dtype, transformers'",
+    )
+    parser.add_argument(
+        "--transformers-dtype",
+        nargs="+",
+        default=None,
+        choices=["bfloat16", "float32", "float16"],
+        help="run transformers once per dtype listed; the ratio is against the fastest",
+    )
+    parser.add_argument(
+        "--emulate-isa",
+        choices=["avx2"],
+        default=None,
+        help="cap every library at this ISA (torch's ATen, oneDNN, MKL and minivllm's "
+        "kernels) to estimate an AVX2-only CPU on a newer one",
+    )
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--make-layers",
+        type=int,
+        default=None,
+        help="with --make-qwen3-0.6b: this many decoder layers instead of 28 (issue 18's "
+        "AVX2 figure uses 8)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument(
@@ -105,6 +147,10 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--output-json", help="write the results here")
     args = parser.parse_args()
+    if args.emulate_isa and os.environ.get("MINIVLLM_CPU_ISA") != args.emulate_isa:
+        # the caps are read once, when each library loads: start again with them set
+        os.environ.update(isa_cap_environment(args.emulate_isa))
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     torch.set_num_threads(args.threads)
     if args.make_dir:
         from minivllm.utils.random_checkpoint import (
@@ -115,24 +161,37 @@ def main() -> None:
         )
 
         tokenizer = pad_tokenizer(train_bpe_tokenizer(vocab_size=1000), QWEN3_0_6B["vocab_size"])
-        make_random_checkpoint(args.make_dir, "Qwen3Config", QWEN3_0_6B, tokenizer, torch.bfloat16)
+        shape = dict(QWEN3_0_6B)
+        if args.make_layers:
+            shape["num_hidden_layers"] = args.make_layers
+        make_random_checkpoint(args.make_dir, "Qwen3Config", shape, tokenizer, torch.bfloat16)
         print(f"wrote {args.make_dir}")
         return
     if not args.model:
         parser.error("--model is required (or --make-qwen3-0.6b DIR to build one)")
     prompts = make_prompts(args.num_requests, args.input_len, 1000, args.seed)
+    from minivllm.kernels.isa import cpu_model, isa_summary
+
+    print(
+        f"{cpu_model()} ({isa_summary()}{', emulated: ' + args.emulate_isa if args.emulate_isa else ''}), "
+        f"{args.threads} threads, {args.num_requests} x ({args.input_len} in, {args.output_len} out)",
+        flush=True,
+    )
     results = [run_minivllm(args, prompts)]
     if not args.skip_transformers:
-        results.append(run_transformers(args, prompts))
+        for dtype in args.transformers_dtype or [args.dtype]:
+            results.append(run_transformers(args, prompts, dtype))
     for r in results:
         r["output_tok_per_s"] = r["output_tokens"] / r["seconds"]
         print(
-            f"{r['engine']:>13}: {r['output_tokens']} output tokens in {r['seconds']:.1f} s "
+            f"{r['engine']:>13} {r.get('dtype', args.dtype):>8}: {r['output_tokens']} output tokens in {r['seconds']:.1f} s "
             f"= {r['output_tok_per_s']:.1f} tok/s"
         )
-    if len(results) == 2:
+    if len(results) >= 2:
+        best = max(results[1:], key=lambda r: r["output_tok_per_s"])
         print(
-            f"ratio minivllm / transformers: {results[0]['output_tok_per_s'] / results[1]['output_tok_per_s']:.2f}x"
+            f"ratio minivllm / transformers ({best['dtype']}): "
+            f"{results[0]['output_tok_per_s'] / best['output_tok_per_s']:.2f}x"
         )
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -208,7 +208,11 @@ def tokenizer(qwen3_dir: Path) -> Any:
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """The CPU beside the results: the kernel tests skip where AVX512-BF16 is missing."""
-    from minivllm.kernels.isa import cpu_has_avx512_bf16, cpu_model, isa_summary
+    from minivllm.kernels.isa import cpu_flags, cpu_has_avx512_bf16, cpu_model, isa_summary
 
     fast = "on" if cpu_has_avx512_bf16() else "OFF (no AVX512-BF16: kernel tests skip)"
-    return [f"CPU: {cpu_model()} [{isa_summary()}]; bf16 kernel path: {fast}"]
+    avx2 = "on" if {"avx2", "fma"} <= cpu_flags() else "OFF (no AVX2/FMA)"
+    return [
+        f"CPU: {cpu_model()} [{isa_summary()}]; bf16 kernel path: {fast}; "
+        f"fp32 AVX2 kernel path: {avx2}"
+    ]

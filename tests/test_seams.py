@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import cpu_has_avx512_bf16
+from minivllm.kernels.isa import cpu_flags
 from minivllm.kernels.registry import TORCH, select_kernels
 from minivllm.layers.attention import (
     Attention,
@@ -205,7 +206,13 @@ def test_the_cpu_backend_decodes_several_query_tokens_like_the_torch_backend():
 
 
 def test_kernels_are_chosen_by_device_dtype_and_isa():
-    assert select_kernels("cpu", torch.float32) is TORCH
+    fp32 = select_kernels("cpu", torch.float32)
+    if {"avx2", "fma"} <= cpu_flags():
+        assert fp32.name == "cpu-avx2"
+        assert fp32.op("linear_bf16w") is not None and fp32.op("rms_norm") is None
+    else:
+        assert fp32 is TORCH
+    assert select_kernels("cpu", torch.float16) is TORCH
     assert select_kernels("cpu", torch.bfloat16, enabled=False) is TORCH
     assert TORCH.op("rms_norm") is None
     kernels = select_kernels("cpu", torch.bfloat16)

@@ -1,7 +1,9 @@
 """Optional CPU kernels, compiled on first use with torch's cpp_extension (gcc is enough).
 
-Each kernel has a plain-PyTorch fallback; `get_cpu_kernels()` returns None where the
-CPU lacks the instructions, the compiler is missing, or the build fails. Layers reach
+Two families, each its own extension module: the bf16 one for CPUs with AVX512-BF16
+(`get_cpu_kernels`) and the fp32 one for CPUs with only AVX2 + FMA (`get_avx2_kernels`).
+Each kernel has a plain-PyTorch fallback; the getters return None where the CPU lacks
+the instructions, the compiler is missing, or the build fails. Layers reach
 the ops through `registry.Kernels`, never this module. The build lands in the user's
 cache directory (`$XDG_CACHE_HOME/minivllm/kernels`, else `~/.cache/minivllm/kernels`).
 """
@@ -15,7 +17,7 @@ import os
 from functools import cache
 from types import ModuleType
 
-from minivllm.kernels.isa import cpu_has_avx512_bf16
+from minivllm.kernels.isa import cpu_flags, cpu_has_avx512_bf16
 from minivllm.utils.paths import cache_dir
 
 logger = logging.getLogger("minivllm")
@@ -25,16 +27,30 @@ def kernel_build_dir() -> str:
     return os.path.join(cache_dir(), "kernels")
 
 
+# explicit ISA flags, not -march=native: a cached build may meet another CPU
+_AVX512_BF16_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+_AVX2_FLAGS = ["-mavx2", "-mfma"]
+
+
+@cache
+def get_avx2_kernels() -> ModuleType | None:
+    """The fp32 AVX2 + FMA family (avx2_*.cpp), for CPUs without AVX-512."""
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None
+    return _build_family(
+        "minivllm_cpu_kernels_avx2", "avx2", ("avx2_linear.cpp", "avx2_attention.cpp"), _AVX2_FLAGS
+    )
+
+
 @cache
 def get_cpu_kernels() -> ModuleType | None:
+    """The bf16 AVX512-BF16 family."""
     if not cpu_has_avx512_bf16():
         return None
-    build_dir = kernel_build_dir()
-    os.makedirs(build_dir, exist_ok=True)
-    here = os.path.dirname(__file__)
-    sources = [
-        os.path.join(here, name)
-        for name in (
+    return _build_family(
+        "minivllm_cpu_kernels",
+        "",  # the cache directory itself, where earlier versions built it
+        (
             "gemv_bf16.cpp",
             "paged_attention.cpp",
             "fused_ops.cpp",
@@ -45,12 +61,22 @@ def get_cpu_kernels() -> ModuleType | None:
             "quant_w8a8.cpp",
             "dsa.cpp",
             "moe.cpp",
-        )
-    ]
+        ),
+        _AVX512_BF16_FLAGS,
+    )
+
+
+def _build_family(
+    name: str, subdir: str, files: tuple[str, ...], isa_flags: list[str]
+) -> ModuleType | None:
+    build_dir = os.path.join(kernel_build_dir(), subdir) if subdir else kernel_build_dir()
+    os.makedirs(build_dir, exist_ok=True)
+    here = os.path.dirname(__file__)
+    sources = [os.path.join(here, f) for f in files]
     # cpp_extension rebuilds when the sources or flags change; the headers' hash, as a
     # flag, makes an edit of kernels.h or quant_rows.h count too
     header_hash = _headers_hash(here)
-    if not os.path.exists(os.path.join(build_dir, "minivllm_cpu_kernels.so")):
+    if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
         logger.info(
             "compiling minivllm's CPU kernels into %s (first run only, about a minute)", build_dir
         )
@@ -63,7 +89,7 @@ def get_cpu_kernels() -> ModuleType | None:
         if os.path.exists(stale):
             logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
             os.remove(stale)
-        return _build(build_dir, sources, header_hash)
+        return _build(name, build_dir, sources, isa_flags, header_hash)
 
 
 def _headers_hash(here: str) -> str:
@@ -74,22 +100,18 @@ def _headers_hash(here: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def _build(build_dir: str, sources: list[str], header_hash: str) -> ModuleType | None:
+def _build(
+    name: str, build_dir: str, sources: list[str], isa_flags: list[str], header_hash: str
+) -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     try:
         return load(
-            name="minivllm_cpu_kernels",
+            name=name,
             sources=sources,
-            # explicit ISA flags, not -march=native: a cached build may meet another CPU
             extra_cflags=[
                 "-O3",
-                "-mavx2",
-                "-mfma",
-                "-mavx512f",
-                "-mavx512bw",
-                "-mavx512vl",
-                "-mavx512bf16",
+                *isa_flags,
                 "-fopenmp",
                 "-ffast-math",
                 f"-DMINIVLLM_KERNELS_H={header_hash}",

@@ -1,8 +1,18 @@
-"""The CPU's instruction-set extensions, read once from /proc/cpuinfo."""
+"""The CPU's instruction-set extensions, read once from /proc/cpuinfo.
+
+`MINIVLLM_CPU_ISA=avx2` caps what minivllm believes the CPU has at AVX2 + FMA (no
+AVX-512, no AMX): the AVX2 kernels and defaults then run on a newer CPU, for tests and
+for estimating an AVX2-only machine (with torch's own caps: `ATEN_CPU_CAPABILITY=avx2`,
+`ONEDNN_MAX_CPU_ISA=AVX2`, `MKL_ENABLE_INSTRUCTIONS=AVX2`).
+"""
 
 from __future__ import annotations
 
+import os
 from functools import cache
+
+# the caps MINIVLLM_CPU_ISA takes: a flag survives the cap when it starts with none of these
+_CAPPED_PREFIXES = {"avx2": ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")}
 
 # the extensions minivllm's kernels or its start-up log care about
 _REPORTED = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -15,7 +25,21 @@ def cpu_flags() -> frozenset[str]:
             line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return frozenset()
-    return frozenset(line.partition(":")[2].split())
+    flags = frozenset(line.partition(":")[2].split())
+    cap = os.environ.get("MINIVLLM_CPU_ISA", "").strip().lower()
+    if cap:
+        if cap not in _CAPPED_PREFIXES:
+            raise ValueError(
+                f"MINIVLLM_CPU_ISA={cap!r} is not a cap minivllm knows; use one of "
+                f"{sorted(_CAPPED_PREFIXES)} or unset it"
+            )
+        flags = frozenset(f for f in flags if not f.startswith(_CAPPED_PREFIXES[cap]))
+    return flags
+
+
+def isa_cap() -> str | None:
+    """The MINIVLLM_CPU_ISA cap in force, if any (for logs and benchmark headers)."""
+    return os.environ.get("MINIVLLM_CPU_ISA", "").strip().lower() or None
 
 
 @cache
@@ -33,7 +57,8 @@ def cpu_model() -> str:
 def isa_summary() -> str:
     """`avx2 avx512f ... amx_bf16`: the extensions present, for logs and benchmark headers."""
     flags = cpu_flags()
-    return " ".join(f for f in _REPORTED if f in flags) or "none of avx2/avx512/amx"
+    summary = " ".join(f for f in _REPORTED if f in flags) or "none of avx2/avx512/amx"
+    return summary + (f" (capped: MINIVLLM_CPU_ISA={isa_cap()})" if isa_cap() else "")
 
 
 def cpu_has_avx512_bf16() -> bool:

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "paged_decode.h"
 
 namespace {
 
@@ -100,10 +101,7 @@ void pv_all(const bf16* v, int n, int64_t G, int64_t D, const float* p, const fl
   }
 }
 
-struct Chunk {
-  int64_t row;  // first row in the head's [num_blocks * block_size, D] cache
-  int n;        // tokens
-};
+using paged_decode::Chunk;
 
 // One request's KV head against its G query heads.
 template <int ND>
@@ -148,17 +146,6 @@ void attend_one(const bf16* q, const bf16* k_head, const bf16* v_head, const std
   }
 }
 
-// Tokens [begin, end) of a request as chunks that do not cross block boundaries.
-void make_chunks(const int64_t* blocks, int64_t begin, int64_t end, int64_t BS, std::vector<Chunk>& out) {
-  out.clear();
-  for (int64_t t = begin; t < end;) {
-    const int64_t b = t / BS, in_block = t - b * BS;
-    const int64_t n = std::min<int64_t>({CHUNK, BS - in_block, end - t});
-    out.push_back({blocks[b] * BS + in_block, static_cast<int>(n)});
-    t += n;
-  }
-}
-
 }  // namespace
 
 // q: [B, Hq, D] bf16; caches: [Hkv, NB, BS, D] bf16; block_tables: [B, max_blocks] int64;
@@ -166,17 +153,9 @@ void make_chunks(const int64_t* blocks, int64_t begin, int64_t end, int64_t BS, 
 torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                      int64_t window) {
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
-  q = q.contiguous();
-  block_tables = block_tables.contiguous();
-  seq_lens = seq_lens.contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hkv = k_cache.size(0), NB = k_cache.size(1), BS = k_cache.size(2);
-  TORCH_CHECK(D % 32 == 0 && D <= 256, "head_dim must be a multiple of 32, at most 256");
-  TORCH_CHECK(Hq % Hkv == 0, "query heads must be a multiple of KV heads");
-  const int64_t G = Hq / Hkv, max_blocks = block_tables.size(1);
+  const auto shape = paged_decode::Shape::check(q, k_cache, v_cache, block_tables, seq_lens, at::kBFloat16, 32);
+  const int64_t B = shape.B, Hq = shape.Hq, D = shape.D, Hkv = shape.Hkv, NB = shape.NB, BS = shape.BS;
+  const int64_t G = shape.G, max_blocks = shape.max_blocks;
   auto out = torch::empty_like(q);
   auto qp = q.data_ptr<bf16>();
   auto kp = k_cache.data_ptr<bf16>();
@@ -185,42 +164,29 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, tor
   auto bt = block_tables.data_ptr<int64_t>();
   auto sl = seq_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
-    std::vector<Chunk> chunks;
-    int64_t chunks_of = -1;  // the request `chunks` was made for (items run b-major)
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / Hkv, h = i % Hkv;
-      const int64_t seq_len = sl[b];
-      if (seq_len <= 0) {  // nothing to attend to (not produced by the scheduler)
-        std::fill(op + (b * Hq + h * G) * D, op + (b * Hq + (h + 1) * G) * D, bf16(0.f));
-        continue;
-      }
-      if (chunks_of != b) {
-        const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-        make_chunks(bt + b * max_blocks, first, seq_len, BS, chunks);
-        chunks_of = b;
-      }
-      const bf16* qh = qp + (b * Hq + h * G) * D;
-      const bf16* kh = kp + h * NB * BS * D;
-      const bf16* vh = vp + h * NB * BS * D;
-      bf16* oh = op + (b * Hq + h * G) * D;
-      switch (D / 32) {
+  paged_decode::for_each_row_head(
+      B, Hkv, sl, bt, max_blocks, BS, window, CHUNK,
+      [&](int64_t b, int64_t h, const std::vector<Chunk>& chunks, std::vector<float>& scratch) {
+        const bf16* qh = qp + (b * Hq + h * G) * D;
+        const bf16* kh = kp + h * NB * BS * D;
+        const bf16* vh = vp + h * NB * BS * D;
+        bf16* oh = op + (b * Hq + h * G) * D;
+        switch (D / 32) {
 #define MINIVLLM_ATTEND(nd) \
   case nd:                  \
     attend_one<nd>(qh, kh, vh, chunks, G, sc, oh, scratch); \
     break;
-        MINIVLLM_ATTEND(1)
-        MINIVLLM_ATTEND(2)
-        MINIVLLM_ATTEND(3)
-        MINIVLLM_ATTEND(4)
-        MINIVLLM_ATTEND(5)
-        MINIVLLM_ATTEND(6)
-        MINIVLLM_ATTEND(7)
-        MINIVLLM_ATTEND(8)
+          MINIVLLM_ATTEND(1)
+          MINIVLLM_ATTEND(2)
+          MINIVLLM_ATTEND(3)
+          MINIVLLM_ATTEND(4)
+          MINIVLLM_ATTEND(5)
+          MINIVLLM_ATTEND(6)
+          MINIVLLM_ATTEND(7)
+          MINIVLLM_ATTEND(8)
 #undef MINIVLLM_ATTEND
-      }
-    }
-  });
+        }
+      },
+      [&](int64_t b, int64_t h) { std::fill(op + (b * Hq + h * G) * D, op + (b * Hq + (h + 1) * G) * D, bf16(0.f)); });
   return out;
 }

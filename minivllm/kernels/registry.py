@@ -83,6 +83,23 @@ register_family(
 )
 
 
+def _load_avx2() -> ModuleType | None:
+    from minivllm.kernels import get_avx2_kernels
+
+    return get_avx2_kernels()
+
+
+# fp32 engines on any CPU with AVX2 + FMA: the default dtype where there is no AVX512-BF16
+# (config.resolve_dtype). Registered after the bf16 family: a dtype picks one or the other.
+AVX2 = KernelKey("cpu", torch.float32, "avx2")
+register_family(
+    AVX2,
+    ("avx2", "fma"),
+    _load_avx2,
+    {"linear_bf16w": "linear_bf16w", "paged_attention_decode": "paged_attention_decode"},
+)
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The compiled ops this engine uses, chosen once at start-up from config and machine.
@@ -123,8 +140,8 @@ def select_kernels(device: str, dtype: torch.dtype, enabled: bool = True) -> Ker
         if module is not None:
             return Kernels(key, module)
     if device == "cpu":
-        # a warning where a user expects the fast path (bf16); float32 has no kernels yet
-        log = logger.warning if dtype == torch.bfloat16 else logger.info
+        # a warning where a user expects the fast path (bf16, float32)
+        log = logger.warning if dtype in (torch.bfloat16, torch.float32) else logger.info
         log(
             "no compiled kernels for %s on this CPU (needs %s): plain PyTorch ops, the "
             "fast path is off",

@@ -25,6 +25,7 @@ from torch import nn
 
 from minivllm.kernels.registry import Kernels
 from minivllm.layers.cpu_linear import CpuLinearKernel
+from minivllm.layers.panel_linear import PanelLinear, exactly_bf16, pack_panels
 
 WeightLoader = Callable[..., None]
 
@@ -81,10 +82,13 @@ def create_full_precision_weight(
 class UnquantizedLinearMethod(LinearMethodBase):
     """Weights in the model's dtype. On a bf16 CPU with the kernels, small batches stream
     the weight through our GEMV kernel and large ones use a oneDNN-prepacked copy
-    (`layers/cpu_linear.py`); elsewhere `F.linear`."""
+    (`layers/cpu_linear.py`). In an fp32 engine on the AVX2 kernels, a weight whose values
+    are all bf16 (a bf16 checkpoint's) is held as bf16 panels (`layers/panel_linear.py`):
+    `layer.weight` is then the panels. Elsewhere `F.linear`."""
 
     def __init__(self) -> None:
         self.cpu_kernel: CpuLinearKernel | None = None
+        self.panel_kernel: PanelLinear | None = None
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
@@ -95,15 +99,31 @@ class UnquantizedLinearMethod(LinearMethodBase):
         gemv = kernels.op("gemv_bf16")
         if gemv is not None and layer.weight.dtype == torch.bfloat16:
             self.cpu_kernel = CpuLinearKernel.build(gemv, layer.weight, kernels.prepack_weights)
+        panels_op = kernels.op("linear_bf16w")
+        weight = layer.weight
+        if panels_op is not None and weight.dtype == torch.float32 and exactly_bf16(weight):
+            layer.register_parameter(
+                "weight", nn.Parameter(pack_panels(weight.data), requires_grad=False)
+            )
+            self.panel_kernel = PanelLinear(panels_op, weight.shape[0])
 
     # Nothing above writes to the weight: the oneDNN-prepacked copy, where made, is new
-    # memory built from it, so a mapped (read-only) weight takes the same step.
+    # memory built from it, and the panels replace the parameter. A mapped (read-only)
+    # weight is already what this engine would have built: only the kernel objects are new.
     supports_mapped_weights = True
 
     def process_weights_after_mapping(self, layer: nn.Module, kernels: Kernels) -> None:
+        panels_op = kernels.op("linear_bf16w")
+        if panels_op is not None and layer.weight.dim() == 3:  # the daemon packed it
+            # a linear layer's output size, or an LM head's vocabulary shard
+            n = getattr(layer, "output_size", None) or layer.shard_size
+            self.panel_kernel = PanelLinear(panels_op, n)
+            return
         self.process_weights_after_loading(layer, kernels)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.panel_kernel is not None:
+            return self.panel_kernel(x, layer.weight, bias)
         if self.cpu_kernel is not None:
             return self.cpu_kernel(x, layer.weight, bias)
         return F.linear(x, layer.weight, bias)

@@ -96,7 +96,8 @@ def process_weights_after_loading(
             and type(m.quant_method) is not UnquantizedLinearMethod
         )
     ]
-    if kernels.key is not None and available_bytes is not None:
+    # oneDNN-prepacked copies serve the bf16 family's large batches only
+    if kernels.op("gemv_bf16") is not None and available_bytes is not None:
         plain = [m for m in linears if type(m.quant_method) is UnquantizedLinearMethod]
         weight_bytes = sum(m.weight.nbytes for m in plain)
         if fits_prepacked(weight_bytes, available_bytes):

@@ -1,11 +1,14 @@
-"""Paged attention on bf16 CPUs through minivllm's compiled kernels.
+"""Paged attention on CPUs through minivllm's compiled kernels.
 
-The cache layout and the metadata are the torch backend's; only the three hot
-pieces differ: the cache write, batched decode attention (one pass over each
-row's blocks with an online softmax) and causal prefill attention over the
-paged cache (`kernels/paged_attention.cpp`, `kernels/prefill_attention.cpp`).
-The kernels take head sizes that are multiples of 32 (decode: up to 256); other
-shapes, and inputs that are not bf16, keep the torch backend's path.
+The cache layout and the metadata are the torch backend's; only the hot pieces
+differ: the cache write, batched decode attention (one pass over each row's blocks
+with an online softmax) and causal prefill attention over the paged cache
+(`kernels/paged_attention.cpp`, `kernels/prefill_attention.cpp`: bf16, AVX512-BF16).
+The fp32 AVX2 family has decode attention only (`kernels/avx2_attention.cpp`); its
+cache writes and prefills stay on the torch backend's path (index_copy_ and SDPA,
+already fast there). The bf16 kernels take head sizes that are multiples of 32
+(decode: up to 256), the AVX2 one multiples of 8; other shapes, and inputs in
+another dtype than the kernels', keep the torch backend's path.
 """
 
 from __future__ import annotations
@@ -24,19 +27,21 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.write_op = kernels.op("write_kv_cache")
         self.decode_op = kernels.op("paged_attention_decode")
         self.prefill_op = kernels.op("prefill_attention")
-        if None in (self.write_op, self.decode_op, self.prefill_op):
+        if self.decode_op is None or kernels.key is None:
             raise ValueError(
-                f"the cpu attention backend needs bf16 CPU kernels; {kernels.name} has none"
+                f"the cpu attention backend needs compiled CPU kernels; {kernels.name} has none"
             )
+        self.dtype = kernels.key.dtype  # what the kernels read
+        # the decode kernel's templates: bf16 in vectors of 32 lanes, fp32 in 8
+        self.head_multiple = 32 if self.dtype == torch.bfloat16 else 8
 
-    @staticmethod
-    def supports_decode(head_dim: int) -> bool:
-        return head_dim % 32 == 0 and head_dim <= 256  # the decode kernel's templates
+    def supports_decode(self, head_dim: int) -> bool:
+        return head_dim % self.head_multiple == 0 and head_dim <= 256
 
     def write_kv_cache(
         self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        if k.dtype != kv_cache.dtype:
+        if self.write_op is None or k.dtype != kv_cache.dtype or k.dtype != self.dtype:
             super().write_kv_cache(kv_cache, k, v, slots)
             return
         self.write_op(kv_cache, k, v, slots)
@@ -49,7 +54,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: PagedAttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        if q.dtype != torch.bfloat16 or not self.supports_decode(layer.head_dim):
+        if q.dtype != self.dtype or not self.supports_decode(layer.head_dim):
             super().decode(layer, q, kv_cache, meta, out)
             return
         out[meta.decode_token_indices] = self.decode_op(
@@ -73,7 +78,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: PagedAttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        if q.dtype != torch.bfloat16 or layer.head_dim % 32:
+        if self.prefill_op is None or q.dtype != self.dtype or layer.head_dim % 32:
             super().prefill(layer, n, q, k, v, kv_cache, meta, out)
             return
         start, end = meta.prefill_query_ranges[n]
