@@ -58,9 +58,11 @@ def test_panels_round_trip_and_the_exactness_check():
 
 
 @needs_avx2
-@pytest.mark.parametrize("n,k", [(16, 8), (37, 40), (1024, 96), (200, 333)])
+@pytest.mark.parametrize("n,k", [(16, 8), (37, 40), (1024, 96), (200, 333), (5000, 1024)])
 @pytest.mark.parametrize("m", [0, 1, 2, 5, 6, 7, 13, 70, 200])
 def test_linear_bf16w_matches_float64(avx2, m, n, k):
+    """Up to 127 rows the panel kernel, from 128 ATen's GEMM on the widened weight (in
+    slices of 16 MB: the 5000 x 1024 case takes two)."""
     w = bf16_valued(n, k, seed=1)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
     bias = torch.randn(n)

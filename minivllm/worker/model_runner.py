@@ -146,12 +146,15 @@ class ModelRunner:
 
     def _log_choices(self, fused: str) -> None:
         where = f"{cpu_model()} [{isa_summary()}]" if self.device == "cpu" else self.device
+        methods = [getattr(m, "quant_method", None) for m in self.model.modules()]
+        panels = sum(getattr(q, "panel_kernel", None) is not None for q in methods)
         logger.info(
-            "kernels: %s on %s; attention backend: %s; all-layers decode step: %s",
+            "kernels: %s on %s; attention backend: %s; all-layers decode step: %s%s",
             self.kernels.name,
             where,
             self.attn_backend.name,
             fused,
+            f"; {panels} linear layers hold bf16 weight panels (fp32 arithmetic)" if panels else "",
         )
 
     def kv_cache_bytes_per_block(self) -> int:
