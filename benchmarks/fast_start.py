@@ -2,6 +2,7 @@
 
     python benchmarks/fast_start.py --make /tmp/qwen3-0.6b-random --shape 0.6b   # build once
     python benchmarks/fast_start.py --model /tmp/qwen3-0.6b-random --dtype bfloat16
+    python benchmarks/fast_start.py --model /tmp/qwen3-4b-random --quantization int8
 
 Each measured start is a fresh process (`--child`) that builds an `LLM` and
 generates one token; it reports its phases (imports, weight loading, the rest of
@@ -47,6 +48,8 @@ def child(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         kv_cache_memory_bytes=1 << 30,  # one max_model_len=4096 sequence of the 4B shape
     )
+    if args.quantization:
+        kwargs["quantization"] = args.quantization
     if args.load_format == "ipc_cache":
         extra = {"socket_dir": args.socket_dir, "fallback": False, "mode": args.mode}
         kwargs.update(load_format="ipc_cache", model_loader_extra_config=extra)
@@ -73,6 +76,7 @@ def measure(args: argparse.Namespace, load_format: str, socket_dir: str | None) 
     cmd = [sys.executable, __file__, "--child", "--model", args.model, "--dtype", args.dtype]
     cmd += ["--max-model-len", str(args.max_model_len), "--load-format", load_format]
     cmd += ["--mode", args.mode] + (["--socket-dir", socket_dir] if socket_dir else [])
+    cmd += ["--quantization", args.quantization] if args.quantization else []
     spawn = time.monotonic()
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     child_times = json.loads(out.strip().splitlines()[-1])
@@ -98,6 +102,7 @@ def summarize(name: str, runs: list[dict]) -> dict:
 def start_daemon(args: argparse.Namespace, socket_dir: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "minivllm.weight_cache", args.model, "--dtype", args.dtype]
     cmd += ["--max-model-len", str(args.max_model_len), "--socket-dir", socket_dir]
+    cmd += ["--quantization", args.quantization] if args.quantization else []
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     for line in proc.stderr:
         if "READY" in line:
@@ -122,6 +127,11 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mode", default="zero_copy", choices=["zero_copy", "copy"])
+    parser.add_argument(
+        "--quantization",
+        help="online quantization for the engines and the daemon (int8, int4, fp8, int8_w8a8): "
+        "a disk start then quantizes at every load, a cached one maps the quantized tensors",
+    )
     parser.add_argument("--drop-caches", action="store_true")
     parser.add_argument("--make", metavar="DIR", help="build a random checkpoint there and exit")
     parser.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
@@ -137,7 +147,10 @@ def main() -> None:
         parser.error("--model is required (or --make DIR to build a checkpoint)")
     from minivllm.kernels.isa import cpu_model, isa_summary
 
-    print(f"CPU: {cpu_model()} [{isa_summary()}], {os.cpu_count()} cores; model {args.model}")
+    print(
+        f"CPU: {cpu_model()} [{isa_summary()}], {os.cpu_count()} cores; model {args.model}"
+        f"{', quantization ' + args.quantization if args.quantization else ''}"
+    )
     rows = {}
     if args.drop_caches:
         cold = []

@@ -161,7 +161,8 @@ def test_kernel_config_alone_and_from_json() -> None:
 
 
 def test_serve_flags_reach_the_engine_arguments() -> None:
-    from minivllm.entrypoints.cli import build_parser, engine_args_from
+    from minivllm.entrypoints.cli import build_parser
+    from minivllm.entrypoints.engine_flags import engine_args_from
 
     targets = '{"targets": {"*mlp*": "int4"}, "ignore": ["*.0.*"]}'
     kernel = '{"linear_backend_per_quant": {"int4_w4a16": "torch"}}'

@@ -24,7 +24,8 @@ logger = logging.getLogger("minivllm")
 
 
 def _add_args(parser: argparse.ArgumentParser) -> None:
-    from minivllm.entrypoints.cli import DEFAULT_MODEL, add_engine_args
+    from minivllm.entrypoints.cli import DEFAULT_MODEL
+    from minivllm.entrypoints.engine_flags import add_engine_args
 
     parser.add_argument(
         "model",
@@ -56,7 +57,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from minivllm.entrypoints.cli import engine_args_from
+    from minivllm.entrypoints.engine_flags import engine_args_from
     from minivllm.weight_cache.daemon import run_daemon
 
     try:
