@@ -46,6 +46,7 @@ def run_minivllm(args: argparse.Namespace, prompts: list[list[int]]) -> dict:
         max_model_len=args.input_len + args.output_len + 16,
         enable_prefix_caching=False,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        quantization=args.quantization,
     )
     startup = time.perf_counter() - start
     params = SamplingParams(
@@ -145,6 +146,9 @@ def main() -> None:
         "--hf-batch-size", type=int, default=None, help="transformers batch (default: all)"
     )
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument(
+        "--quantization", default=None, help="minivllm only: online quantization (int8, int4, ...)"
+    )
     parser.add_argument("--output-json", help="write the results here")
     args = parser.parse_args()
     if args.emulate_isa and os.environ.get("MINIVLLM_CPU_ISA") != args.emulate_isa:

@@ -450,3 +450,26 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
             quantization="int8",
         )
     llm.llm_engine.shutdown()
+
+
+def test_fp32_engine_maps_the_daemons_bf16_weight_panels(start_daemon: Any, bf16_dir: Path) -> None:
+    """An fp32 engine on the AVX2 kernels holds a bf16 checkpoint's linears as bf16 panels
+    (`layers/panel_linear.py`); a daemon started with --dtype float32 holds the panels, and a
+    mapping engine runs them as they are, with the disk load's outputs."""
+    from minivllm.kernels.registry import select_kernels
+
+    if select_kernels("cpu", torch.float32).op("linear_bf16w") is None:
+        pytest.skip("no AVX2 kernels here")
+    fp32 = {**ENGINE, "dtype": "float32"}
+    disk = LLM(str(bf16_dir), **fp32)
+    expected = disk.generate(PROMPTS, GREEDY, use_tqdm=False)
+    disk.llm_engine.shutdown()
+    daemon = start_daemon("--dtype", "float32").wait_ready()
+    extra = {"socket_dir": str(daemon.socket_dir), "fallback": False}
+    llm = LLM(str(bf16_dir), load_format="ipc_cache", model_loader_extra_config=extra, **fp32)
+    assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), expected)
+    for layer in (model_of(llm).model.layers[0].mlp.down_proj, model_of(llm).lm_head):
+        assert layer.weight.dim() == 3 and layer.weight.dtype == torch.bfloat16
+        assert layer.quant_method.panel_kernel is not None
+        assert "memfd:minivllm-weights" in mapping_of(layer.weight.data_ptr())[1]
+    llm.llm_engine.shutdown()

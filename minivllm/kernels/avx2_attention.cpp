@@ -158,8 +158,12 @@ torch::Tensor avx2_paged_attention_decode(torch::Tensor q, torch::Tensor k_cache
 torch::Tensor avx2_linear_bf16w(torch::Tensor x, torch::Tensor panels, int64_t n,
                                 c10::optional<torch::Tensor> bias);
 
+torch::Tensor avx2_linear_int8w(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                                c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_bf16w", &avx2_linear_bf16w, "fp32 x @ W^T + b over bf16 weight panels (AVX2)", nogil);
+  m.def("linear_int8w", &avx2_linear_int8w, "fp32 x @ (q * scale)^T + b, int8 rows (AVX2)", nogil);
   m.def("paged_attention_decode", &avx2_paged_attention_decode, "fp32 paged decode attention (AVX2)", nogil);
 }

@@ -290,3 +290,124 @@ torch::Tensor avx2_linear_bf16w(torch::Tensor x, torch::Tensor panels, int64_t n
   if (has_bias) y.add_(bias->to(at::kFloat));
   return y;
 }
+
+// ---- int8 weights (int8_w8a16 in an fp32 engine): y = (x q^T) * scale[n] (+ bias) ----------
+//
+// The weight stays in the quantization's row-major layout (minivllm/quantization/formats.py,
+// what the weight cache holds), read in the dot-product form: R rows of q at a time, 8 k per
+// step sign-extended and converted to fp32 in registers (vpmovsxbd, vcvtdq2ps), multiplied
+// into MR x R accumulators, summed across lanes at the end. At one row this streams a
+// quarter of fp32's bytes (half of the bf16 panels'); from INT8_WIDEN_ROWS rows the weight
+// is converted to fp32 16 MB at a time for ATen's GEMM, as the panels are.
+
+namespace {
+
+constexpr int64_t INT8_WIDEN_ROWS = 16;
+
+inline __m256 load_q8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// out[m * R + r] = sum_k x[m, k] q[r, k] for an MR x R tile (x rows K apart, q rows K apart).
+template <int MR, int R>
+inline void int8_tile(const float* x, const int8_t* q, int64_t K, float* out) {
+  __m256 acc[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t k8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < k8; k += 8) {
+    __m256 w[R];
+    for (int r = 0; r < R; ++r) w[r] = load_q8(q + r * K + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, w[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) {
+      __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc[m][r]), _mm256_extractf128_ps(acc[m][r], 1));
+      s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+      s = _mm_add_ss(s, _mm_movehdup_ps(s));
+      float v = _mm_cvtss_f32(s);
+      for (int64_t k = k8; k < K; ++k) v += x[m * K + k] * static_cast<float>(q[r * K + k]);
+      out[m * R + r] = v;
+    }
+}
+
+template <int R>
+inline void int8_tile_rows(int rows, const float* x, const int8_t* q, int64_t K, float* out) {
+  switch (rows) {
+    case 1: int8_tile<1, R>(x, q, K, out); break;
+    case 2: int8_tile<2, R>(x, q, K, out); break;
+    case 3: int8_tile<3, R>(x, q, K, out); break;
+    default: break;
+  }
+}
+
+// Rows [0, N) of q in blocks of R (the last N % R one at a time), all M rows of x per block.
+template <int R, int MR>
+void int8_small(const float* x, const int8_t* q, const float* scale, const float* bias, float* y, int64_t M,
+                int64_t K, int64_t N) {
+  const int64_t blocks = (N + R - 1) / R;
+  at::parallel_for(0, blocks, 8, [&](int64_t begin, int64_t end) {
+    float out[MR * R];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * R, nr = std::min<int64_t>(R, N - n0);
+      for (int64_t m0 = 0; m0 < M; m0 += MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
+        for (int64_t r0 = 0; r0 < nr; r0 += (nr == R ? R : 1)) {
+          const int width = nr == R ? R : 1;
+          if (width == R) {
+            int8_tile_rows<R>(rows, x + m0 * K, q + n0 * K, K, out);
+          } else {
+            int8_tile_rows<1>(rows, x + m0 * K, q + (n0 + r0) * K, K, out);
+          }
+          for (int m = 0; m < rows; ++m)
+            for (int r = 0; r < width; ++r) {
+              const int64_t n = n0 + r0 + r;
+              y[(m0 + m) * N + n] = out[m * width + r] * scale[n] + (bias ? bias[n] : 0.f);
+            }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x: [M, K] fp32; q: [N, K] int8; scale: [N] fp32; bias: [N] or none. Returns [M, N] fp32.
+torch::Tensor avx2_linear_int8w(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                                c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && scale.scalar_type() == at::kFloat,
+              "x float32, q int8, scale float32");
+  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "x: [M, K], q: [N, K]");
+  TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.numel() == q.size(0), "q contiguous, scale [N]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  if (M >= INT8_WIDEN_ROWS) {
+    const int64_t step = std::max<int64_t>(1, WIDEN_FLOATS / K);
+    auto y = torch::empty({M, N}, x.options());
+    thread_local torch::Tensor buffer;
+    for (int64_t n0 = 0; n0 < N; n0 += step) {
+      const int64_t nn = std::min(step, N - n0);
+      if (!buffer.defined() || buffer.numel() < nn * K) buffer = torch::empty({nn * K}, x.options());
+      auto w = buffer.narrow(0, 0, nn * K).view({nn, K});
+      w.copy_(q.narrow(0, n0, nn));  // int8 -> fp32, exact
+      y.narrow(1, n0, nn).copy_(at::mm(x, w.t()) * scale.narrow(0, n0, nn));
+    }
+    if (b.defined()) y.add_(b);
+    return y;
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const auto* qp = q.data_ptr<int8_t>();
+  if (M == 1) {
+    int8_small<8, 1>(x.data_ptr<float>(), qp, scale.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N);
+  } else {
+    int8_small<4, 2>(x.data_ptr<float>(), qp, scale.data_ptr<float>(), bp, y.data_ptr<float>(), M, K, N);
+  }
+  return y;
+}

@@ -96,7 +96,10 @@ register_family(
     AVX2,
     ("avx2", "fma"),
     _load_avx2,
-    {"linear_bf16w": "linear_bf16w", "paged_attention_decode": "paged_attention_decode"},
+    {
+        op: op
+        for op in ("linear_bf16w", "linear_int8w", "paged_attention_decode")
+    },
 )
 
 

@@ -54,12 +54,13 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.quant_weights: formats.QuantWeights | None = None
         self.op = None  # the compiled quant_linear, where used
         self.quantize_rows = None  # the compiled per-token int8 quantizer, with it
+        self.fp32_int8_op = None  # the AVX2 family's int8 op, for int8_w8a16 in fp32 engines
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
 
     @property
     def kernels_on(self) -> bool:
-        return self.op is not None
+        return self.op is not None  # the bf16 quant_linear (the fused decode step runs it)
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
@@ -127,6 +128,12 @@ class QuantizedLinearMethod(LinearMethodBase):
         return self.spec.group_size if self.spec.scheme == "int4_w4a16" else 0
 
     def choose_backend(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
+        # an fp32 engine on the AVX2 family: int8 rows are multiplied as stored, in fp32
+        fp32_op = kernels.op("linear_int8w") if qw.scheme == "int8_w8a16" else None
+        if fp32_op is not None and self.requested_backend != "torch":
+            self.fp32_int8_op, self.op, self.quantize_rows = fp32_op, None, None
+            self.backend = "cpu_kernel"
+            return
         op = kernels.op("quant_linear")
         usable = (
             op is not None
@@ -147,6 +154,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         qw = self.quant_weights
         assert qw is not None, "process_weights_after_loading has not run"
         rows = x.reshape(-1, x.shape[-1])
+        if self.fp32_int8_op is not None and x.dtype == torch.float32:
+            out = self.fp32_int8_op(rows, qw.weight, qw.scale, bias)
+            return out.view(*x.shape[:-1], qw.out_features)
         if self.op is None or x.dtype != torch.bfloat16:
             return formats.reference_linear(x, qw, bias)
         m = rows.shape[0]
