@@ -133,8 +133,9 @@ def test_fp32_engine_on_bf16_weights_matches_transformers(make_checkpoint):
     model = llm.llm_engine.executor.runner.model
     layer = model.model.layers[0].mlp.gate_up_proj
     assert layer.weight.dim() == 3 and layer.weight.dtype == torch.bfloat16, "not on panels"
-    assert model.lm_head.weight.dim() == 3  # the tied head too; the embedding stays fp32
-    assert model.model.embed_tokens.weight.dim() == 2
+    # the tied head too, and the embedding reads its rows from the head's panels
+    assert model.lm_head.weight.dim() == 3
+    assert model.model.embed_tokens.weight is model.lm_head.weight
     prompts = [[5, 9, 33, 120, 7], list(range(40, 90))]
     params = SamplingParams(
         temperature=0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0

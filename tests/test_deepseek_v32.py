@@ -65,9 +65,13 @@ YARN = dict(
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20)
 
 
-def build_dsa_checkpoint(out: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+def build_dsa_checkpoint(
+    out: Path, tokenizer_dir: Path, seed: int = 0, round_to_bf16: bool = False, **overrides
+) -> Path:
     """A random DeepseekV32ForCausalLM; the routers' load-balancing biases are random too
-    (transformers initialises them to zero, which would leave that path untested)."""
+    (transformers initialises them to zero, which would leave that path untested).
+    `round_to_bf16`: every weight a bf16 value (stored in fp32), as a bf16 checkpoint's are
+    in an fp32 engine, where the AVX2 family holds such linears as bf16 panels."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV32Config
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -81,6 +85,9 @@ def build_dsa_checkpoint(out: Path, tokenizer_dir: Path, seed: int = 0, **overri
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.1)
+        if round_to_bf16:
+            for param in model.parameters():
+                param.copy_(param.bfloat16().float())
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
@@ -123,6 +130,8 @@ GREEDY = SamplingParams(
     [
         ("moe", {}),
         ("dense-yarn", dict(first_k_dense_replace=3, **YARN)),
+        # bf16-valued weights: the fp32 engine's linears, kv_b_proj included, on bf16 panels
+        ("moe-bf16-valued", dict(round_to_bf16=True)),
     ],
 )
 def test_logprobs_and_greedy_match_transformers(dsa_checkpoint, name, overrides) -> None:

@@ -266,6 +266,7 @@ torch::Tensor avx2_linear_bf16w(torch::Tensor x, torch::Tensor panels, int64_t n
               "panels: bf16 [ceil(N / 16), K, 16]");
   TORCH_CHECK(panels.is_contiguous(), "panels must be contiguous");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == panels.size(1), "x: [M, K] with the panels' K");
+  TORCH_CHECK(panels.size(1) > 0 && panels.size(0) > 0, "K and N must be at least 1");
   const int64_t NP = panels.size(0), K = panels.size(1), M = x.size(0);
   TORCH_CHECK(n > (NP - 1) * PANEL && n <= NP * PANEL, "n does not match the panel count");
   x = x.contiguous();
@@ -382,6 +383,7 @@ torch::Tensor avx2_linear_int8w(torch::Tensor x, torch::Tensor q, torch::Tensor 
               "x float32, q int8, scale float32");
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == q.size(1), "x: [M, K], q: [N, K]");
   TORCH_CHECK(q.is_contiguous() && scale.is_contiguous() && scale.numel() == q.size(0), "q contiguous, scale [N]");
+  TORCH_CHECK(x.size(1) > 0, "K must be at least 1");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
   torch::Tensor b;
@@ -394,7 +396,13 @@ torch::Tensor avx2_linear_int8w(torch::Tensor x, torch::Tensor q, torch::Tensor 
       const int64_t nn = std::min(step, N - n0);
       if (!buffer.defined() || buffer.numel() < nn * K) buffer = torch::empty({nn * K}, x.options());
       auto w = buffer.narrow(0, 0, nn * K).view({nn, K});
-      w.copy_(q.narrow(0, n0, nn));  // int8 -> fp32, exact
+      // int8 -> fp32 (exact), written through the pointer: the buffer may have been made
+      // under inference mode, where an in-place op on it would be refused outside
+      const int8_t* src = q.data_ptr<int8_t>() + n0 * K;
+      float* dst = w.data_ptr<float>();
+      at::parallel_for(0, nn * K, 1 << 16, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) dst[i] = static_cast<float>(src[i]);
+      });
       y.narrow(1, n0, nn).copy_(at::mm(x, w.t()) * scale.narrow(0, n0, nn));
     }
     if (b.defined()) y.add_(b);

@@ -13,6 +13,7 @@ from minivllm.distributed.parallel_state import (
     tp_all_reduce,
 )
 from minivllm.layers.linear_method import LinearMethodBase, UnquantizedLinearMethod, WeakLoader
+from minivllm.layers.panel_linear import panel_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -54,6 +55,8 @@ class VocabParallelEmbedding(nn.Module):
         embed = getattr(self.quant_method, "embed", None)
         if embed is not None:
             return embed(self, ids)
+        if self.weight.dim() == 3:  # tied to an LM head that holds bf16 panels
+            return panel_rows(self.weight, ids)
         return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

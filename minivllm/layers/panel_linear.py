@@ -24,6 +24,7 @@ import torch
 PANEL = 16
 # row order inside a panel: pair j is (row j, row 8 + j)
 _PAIR_ORDER = torch.arange(PANEL).view(2, 8).T.reshape(-1)
+_POSITION_OF_ROW = torch.argsort(_PAIR_ORDER)
 
 
 def exactly_bf16(weight: torch.Tensor) -> bool:
@@ -52,6 +53,14 @@ def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
     rows = torch.empty(num_panels, PANEL, k, dtype=torch.float32)
     rows[:, _PAIR_ORDER, :] = panels.transpose(1, 2).float()
     return rows.reshape(num_panels * PANEL, k)[:n]
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight as fp32 [*ids.shape, K]: the lookup of a tied embedding
+    table whose LM head holds the panels (the table is then not kept twice)."""
+    flat = ids.reshape(-1)
+    rows = panels[flat // PANEL, :, _POSITION_OF_ROW[flat % PANEL]]  # [T, K]
+    return rows.float().view(*ids.shape, panels.shape[1])
 
 
 @dataclass(slots=True)

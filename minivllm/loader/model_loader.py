@@ -108,11 +108,18 @@ def process_weights_after_loading(
                 MAX_KERNEL_ROWS_PACKED,
                 weight_bytes / 2**30,
             )
+    tables = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
+    tied = {id(m): t for m in linears for t in tables if getattr(m, "weight", None) is t.weight}
     for module in linears:
         if mapped:
             module.quant_method.process_weights_after_mapping(module, kernels)
         else:
             module.quant_method.process_weights_after_loading(module, kernels)
+        table = tied.get(id(module))
+        if table is not None and module.weight.dim() == 3 and table.weight is not module.weight:
+            # the LM head now holds the tied table as bf16 panels: the embedding reads
+            # its rows from them (`panel_rows`) rather than keep the fp32 table too
+            table.weight = module.weight
     for module in model.modules():
         if isinstance(module, CustomOp):
             module.select_kernels(kernels)

@@ -54,7 +54,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: PagedAttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        if q.dtype != self.dtype or not self.supports_decode(layer.head_dim):
+        if (
+            q.dtype != self.dtype
+            or kv_cache.dtype != self.dtype
+            or not self.supports_decode(layer.head_dim)
+        ):
             super().decode(layer, q, kv_cache, meta, out)
             return
         out[meta.decode_token_indices] = self.decode_op(

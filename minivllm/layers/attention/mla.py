@@ -66,7 +66,10 @@ class MLAAttention(AttentionLayerBase):
             eye = torch.eye(self.kv_lora_rank, dtype=torch.get_default_dtype())
             for p in proj.parameters():
                 if p.is_floating_point():
-                    eye = eye.to(p.device, p.dtype)
+                    # bf16 weight panels in an fp32 engine (layers/panel_linear.py) take
+                    # and give fp32: the identity goes in the engine's dtype there
+                    dtype = torch.float32 if p.dim() == 3 else p.dtype
+                    eye = eye.to(p.device, dtype)
                     break
             with torch.no_grad():
                 w = proj(eye).t().contiguous()  # [H * (nope + v), kv_lora]
