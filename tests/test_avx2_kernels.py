@@ -232,3 +232,28 @@ def test_int8_engine_in_fp32_runs_the_avx2_op_and_agrees_with_the_reference(make
                 ours.prompt_logprobs[pos][token].logprob - ref.prompt_logprobs[pos][token].logprob
             )
             assert abs(diff) < 1e-4, (pos, diff)
+
+
+@needs_avx2
+@pytest.mark.parametrize("hidden", [1, 7, 64, 1000])
+def test_avx2_norms_and_silu_match_the_pytorch_path(avx2, hidden):
+    """The fp32 small ops against layers/layernorm.py's and activation.py's plain paths
+    (same formulas, summed in another order: 1e-5 relative)."""
+    from minivllm.layers.activation import SiluAndMul
+    from minivllm.layers.layernorm import RMSNorm
+
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(5, 3, hidden, generator=gen)
+    residual = torch.randn(5, 3, hidden, generator=gen)
+    norm = RMSNorm(hidden, eps=1e-6)
+    norm.weight.data.copy_(torch.randn(hidden, generator=gen))
+    torch.testing.assert_close(avx2.rms_norm(x, norm.weight, 1e-6), norm(x), rtol=1e-5, atol=1e-5)
+    ours_residual = residual.clone()
+    ours = avx2.fused_add_rms_norm(x, ours_residual, norm.weight, 1e-6)
+    ref, ref_residual = norm(x, residual.clone())
+    assert torch.equal(ours_residual, ref_residual)  # x + residual, one rounding either way
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(4, 2 * hidden, generator=gen) * 5
+    torch.testing.assert_close(
+        avx2.silu_and_mul(gate_up), SiluAndMul()(gate_up), rtol=1e-5, atol=1e-5
+    )

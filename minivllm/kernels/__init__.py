@@ -38,7 +38,10 @@ def get_avx2_kernels() -> ModuleType | None:
     if not {"avx2", "fma"} <= cpu_flags():
         return None
     return _build_family(
-        "minivllm_cpu_kernels_avx2", "avx2", ("avx2_linear.cpp", "avx2_attention.cpp"), _AVX2_FLAGS
+        "minivllm_cpu_kernels_avx2",
+        "avx2",
+        ("avx2_linear.cpp", "avx2_attention.cpp", "avx2_ops.cpp"),
+        _AVX2_FLAGS,
     )
 
 

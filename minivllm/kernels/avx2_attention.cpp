@@ -17,43 +17,12 @@
 #include <cmath>
 #include <vector>
 
+#include "avx2_math.h"
 #include "paged_decode.h"
 
 namespace {
 
 constexpr int CHUNK = 8;  // tokens per chunk: one vector of scores per head
-
-// exp(x) for 8 lanes: 2^(x log2 e) = 2^n 2^f, f in [-0.5, 0.5], a degree-6 polynomial for
-// 2^f (relative error ~2e-7) and 2^n built in the exponent bits.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.5353362e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float hmax8(__m256 v) {
-  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_max_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // Lane i of the result: the sum of the 8 lanes of v[i].
 inline __m256 sum8(const __m256* v) {
@@ -161,9 +130,16 @@ torch::Tensor avx2_linear_bf16w(torch::Tensor x, torch::Tensor panels, int64_t n
 torch::Tensor avx2_linear_int8w(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                                 c10::optional<torch::Tensor> bias);
 
+torch::Tensor avx2_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor avx2_fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor avx2_silu_and_mul(torch::Tensor x);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_bf16w", &avx2_linear_bf16w, "fp32 x @ W^T + b over bf16 weight panels (AVX2)", nogil);
   m.def("linear_int8w", &avx2_linear_int8w, "fp32 x @ (q * scale)^T + b, int8 rows (AVX2)", nogil);
+  m.def("rms_norm", &avx2_rms_norm, "fp32 RMSNorm (AVX2)", nogil);
+  m.def("fused_add_rms_norm", &avx2_fused_add_rms_norm, "residual += x; RMSNorm(residual), fp32", nogil);
+  m.def("silu_and_mul", &avx2_silu_and_mul, "silu(gate) * up, fp32", nogil);
   m.def("paged_attention_decode", &avx2_paged_attention_decode, "fp32 paged decode attention (AVX2)", nogil);
 }

@@ -16,13 +16,16 @@ class RMSNorm(CustomOp):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
-        # compiled bf16 ops, if the engine's kernels have them
+        # compiled ops, if the engine's kernels have them, and the dtype they take (bf16
+        # for the AVX512-BF16 family, float32 for the AVX2 one)
         self.rms_norm_op: Callable[..., torch.Tensor] | None = None
         self.add_rms_norm_op: Callable[..., torch.Tensor] | None = None
+        self.kernel_dtype: torch.dtype | None = None
 
     def select_kernels(self, kernels: Kernels) -> None:
         self.rms_norm_op = kernels.op("rms_norm")
         self.add_rms_norm_op = kernels.op("fused_add_rms_norm")
+        self.kernel_dtype = kernels.key.dtype if kernels.key is not None else None
 
     @property
     def uses_kernels(self) -> bool:
@@ -32,7 +35,7 @@ class RMSNorm(CustomOp):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Normalise `x`; given `residual`, normalise `x + residual` and also return that sum."""
-        if self.uses_kernels and x.dtype == torch.bfloat16:
+        if self.uses_kernels and x.dtype == self.kernel_dtype == self.weight.dtype:
             if residual is None:
                 return self.rms_norm_op(x, self.weight, self.eps)
             residual = residual.contiguous()

@@ -1,0 +1,40 @@
+// Vector math for the AVX2 family (avx2_*.cpp): 8 fp32 lanes, AVX2 + FMA only.
+#pragma once
+
+#include <immintrin.h>
+
+namespace {
+
+// exp(x) for 8 lanes: 2^(x log2 e) = 2^n 2^f, f in [-0.5, 0.5], a degree-6 polynomial for
+// 2^f (relative error ~2e-7) and 2^n built in the exponent bits.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5353362e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504109e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace
