@@ -143,7 +143,7 @@ inline void micro_rows(int rows, const float* x, int64_t sm, int64_t sk, const v
   }
 }
 
-// One thread's panels [p0, p1) for all M rows, into the padded output ypad [M, 16 * NPAN].
+// One thread's panels [p0, p1) for all M rows, into the padded output ypad [M, ldy].
 void panels_product(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t p0, int64_t p1,
                     float* ypad, int64_t ldy) {
   const int64_t panel_stride = K * PANEL;
@@ -177,8 +177,8 @@ void panels_product(const float* x, int64_t M, int64_t K, const uint16_t* w, int
       for (int64_t t = 0; t < mn; t += 6) {
         float* dst = packed.data() + t * kn;
         for (int r = 0; r < 6; ++r) {
-          const float* src = x + (m0 + t + r) * K + k0;
           if (t + r < mn) {
+            const float* src = x + (m0 + t + r) * K + k0;
             for (int64_t k = 0; k < kn; ++k) dst[k * 6 + r] = src[k];
           } else {
             for (int64_t k = 0; k < kn; ++k) dst[k * 6 + r] = 0.f;
@@ -340,7 +340,6 @@ inline void int8_tile_rows(int rows, const float* x, const int8_t* q, int64_t K,
   switch (rows) {
     case 1: int8_tile<1, R>(x, q, K, out); break;
     case 2: int8_tile<2, R>(x, q, K, out); break;
-    case 3: int8_tile<3, R>(x, q, K, out); break;
     default: break;
   }
 }
@@ -356,8 +355,9 @@ void int8_small(const float* x, const int8_t* q, const float* scale, const float
       const int64_t n0 = b * R, nr = std::min<int64_t>(R, N - n0);
       for (int64_t m0 = 0; m0 < M; m0 += MR) {
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
-        for (int64_t r0 = 0; r0 < nr; r0 += (nr == R ? R : 1)) {
-          const int width = nr == R ? R : 1;
+        // a full block of R rows at once; the last, partial one a row at a time
+        const int width = nr == R ? R : 1;
+        for (int64_t r0 = 0; r0 < nr; r0 += width) {
           if (width == R) {
             int8_tile_rows<R>(rows, x + m0 * K, q + n0 * K, K, out);
           } else {

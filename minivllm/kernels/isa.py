@@ -26,7 +26,7 @@ def cpu_flags() -> frozenset[str]:
     except OSError:
         return frozenset()
     flags = frozenset(line.partition(":")[2].split())
-    cap = os.environ.get("MINIVLLM_CPU_ISA", "").strip().lower()
+    cap = isa_cap()
     if cap:
         if cap not in _CAPPED_PREFIXES:
             raise ValueError(
@@ -58,7 +58,8 @@ def isa_summary() -> str:
     """`avx2 avx512f ... amx_bf16`: the extensions present, for logs and benchmark headers."""
     flags = cpu_flags()
     summary = " ".join(f for f in _REPORTED if f in flags) or "none of avx2/avx512/amx"
-    return summary + (f" (capped: MINIVLLM_CPU_ISA={isa_cap()})" if isa_cap() else "")
+    cap = isa_cap()
+    return summary + (f" (capped: MINIVLLM_CPU_ISA={cap})" if cap else "")
 
 
 def cpu_has_avx512_bf16() -> bool:

@@ -115,9 +115,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_mapping(self, layer: nn.Module, kernels: Kernels) -> None:
         panels_op = kernels.op("linear_bf16w")
         if panels_op is not None and layer.weight.dim() == 3:  # the daemon packed it
-            # a linear layer's output size, or an LM head's vocabulary shard
-            n = getattr(layer, "output_size", None) or layer.shard_size
-            self.panel_kernel = PanelLinear(panels_op, n)
+            # output_size: a linear layer's, or an LM head's vocabulary shard
+            self.panel_kernel = PanelLinear(panels_op, layer.output_size)
             return
         self.process_weights_after_loading(layer, kernels)
 

@@ -48,7 +48,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """The inverse of `pack_panels`, as fp32 [N, K] (tests, and the reference path)."""
+    """The inverse of `pack_panels`, as fp32 [N, K] (for tests)."""
     num_panels, k, _ = panels.shape
     rows = torch.empty(num_panels, PANEL, k, dtype=torch.float32)
     rows[:, _PAIR_ORDER, :] = panels.transpose(1, 2).float()
