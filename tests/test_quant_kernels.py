@@ -31,15 +31,16 @@ from minivllm.layers.linear_method import LinearMethodBase
 from minivllm.quantization.formats import (
     KIND_INT4_W4A16,
     SCHEMES,
-    W8A8_MAX_KERNEL_ROWS,
     QuantWeights,
     dequantize,
     from_fp8_values,
     from_int4_values,
     from_int8_values,
+    is_amx_packed,
     kernel_supports,
     kernel_supports_shape,
     onednn_int8_available,
+    pack_amx_w8a8,
     pack_int4,
     prepack_w8a8,
     quantize,
@@ -47,6 +48,7 @@ from minivllm.quantization.formats import (
     reference_linear,
     unpack_int4,
     w8a8_large_batch,
+    w8a8_max_kernel_rows,
 )
 
 needs_bf16 = pytest.mark.skipif(not kernel_supports("int8_w8a16"), reason="CPU lacks AVX512-BF16")
@@ -254,6 +256,59 @@ def test_w8a8_onednn_large_batch_matches_the_reference(rows):
         assert_matches_reference(w8a8_large_batch(x, qw, bias, quantize_rows), x, qw, bias)
 
 
+def _amx_available() -> bool:
+    kernels = get_cpu_kernels() if kernel_supports("int8_w8a8") else None
+    return kernels is not None and kernels.amx_w8a8_available()
+
+
+needs_amx = pytest.mark.skipif(not _amx_available(), reason="CPU (or Linux) lacks AMX-INT8")
+
+
+def test_pack_amx_w8a8_puts_each_weight_where_the_tiles_read_it():
+    q = torch.randint(-128, 128, (70, 150), generator=torch.Generator().manual_seed(4))
+    q = q.to(torch.int8)
+    packed = pack_amx_w8a8(q)
+    assert packed.shape == (3, 3, 2, 16, 64)  # 70 rows -> 3 blocks of 32, 150 k -> 3 of 64
+    for n, k in [(0, 0), (17, 5), (33, 64), (69, 149), (40, 127)]:
+        b, j, c = n // 32, n % 32 // 16, n % 16
+        assert packed[b, k // 64, j, k % 64 // 4, 4 * c + k % 4] == q[n, k]
+    assert packed.flatten().abs().sum() == q.abs().sum()  # padding is zeros
+    assert packed[2, :, 1, :, 4 * 6 :].abs().sum() == 0  # rows 70..95 do not exist
+
+
+@needs_amx
+@pytest.mark.parametrize("rows, n, k", [(1, 32, 64), (5, 40, 96), (33, 100, 1040), (70, 64, 512)])
+def test_amx_w8a8_matches_the_reference(rows, n, k):
+    """AMX-INT8's exact int32 sums, the per-token and per-channel scales and the bias fused
+    in its epilogue: the reference's numbers (partial blocks of rows, outputs and k too)."""
+    q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n + k))
+    qw = from_int8_values(q.to(torch.int8), torch.rand(n) / 100, "int8_w8a8")
+    packed = pack_amx_w8a8(qw.weight)
+    gen = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, k, generator=gen)).bfloat16()
+    x[0] = 0.0  # a zero row: scale 1, all-zero output but the bias
+    bias = torch.randn(n, generator=gen).bfloat16()
+    for b in (None, bias):
+        got = get_cpu_kernels().amx_w8a8_linear(x, packed, k, qw.scale, b)
+        assert_matches_reference(got, x, qw, b)
+
+
+@needs_amx
+def test_amx_w8a8_rejects_mismatched_inputs():
+    kernels = get_cpu_kernels()
+    qw = quantize(_weights(40, 128, 1), "int8_w8a8")
+    packed = pack_amx_w8a8(qw.weight)
+    x = torch.randn(3, 128).bfloat16()
+    with pytest.raises(RuntimeError, match="x has K=96, the weight 128"):  # same 64-blocks
+        kernels.amx_w8a8_linear(torch.randn(3, 96).bfloat16(), packed, 128, qw.scale, None)
+    with pytest.raises(RuntimeError, match="scale has N=80"):
+        kernels.amx_w8a8_linear(x, packed, 128, torch.ones(80), None)
+    with pytest.raises(RuntimeError, match="pack_amx_w8a8"):
+        kernels.amx_w8a8_linear(x, qw.weight, 128, qw.scale, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernels.amx_w8a8_linear(x, packed, 128, qw.scale, torch.ones(3).bfloat16())
+
+
 @needs_bf16
 def test_quant_linear_rejects_malformed_inputs():
     kernels = get_cpu_kernels()
@@ -308,7 +363,7 @@ def test_schemes_and_kinds_agree():
 
 class _KernelQuantMethod(LinearMethodBase):
     """A stand-in for a quantized linear method: a bf16 layer's weight, quantized, applied
-    with the kernels (oneDNN past W8A8_MAX_KERNEL_ROWS rows for a prepacked int8_w8a8)."""
+    with the kernels (AMX or oneDNN past w8a8_max_kernel_rows for a prepacked int8_w8a8)."""
 
     def __init__(self, weights: QuantWeights) -> None:
         self.quant_weights = weights
@@ -320,8 +375,11 @@ class _KernelQuantMethod(LinearMethodBase):
     def apply(self, layer, x, bias):
         kernels, qw = get_cpu_kernels(), self.quant_weights
         rows = x.reshape(-1, qw.in_features)
-        if qw.packed is not None and rows.shape[0] > W8A8_MAX_KERNEL_ROWS:
-            y = w8a8_large_batch(rows, qw, bias, kernels.quantize_per_token_int8)
+        if qw.packed is not None and rows.shape[0] > w8a8_max_kernel_rows(qw.packed):
+            if is_amx_packed(qw.packed):
+                y = kernels.amx_w8a8_linear(rows, qw.packed, qw.in_features, qw.scale, bias)
+            else:
+                y = w8a8_large_batch(rows, qw, bias, kernels.quantize_per_token_int8)
         else:
             args = (qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
             y = kernels.quant_linear(rows, *args)
@@ -329,9 +387,12 @@ class _KernelQuantMethod(LinearMethodBase):
 
 
 @needs_vnni
-def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_checkpoint):
+@pytest.mark.parametrize("packing", ["onednn", "amx"])
+def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_checkpoint, packing):
     """Every quant kind in one model (a kind per linear): the one-call decode step and the
     per-layer path run the same kernels, so their outputs are equal bit for bit."""
+    if packing == "amx" and not _amx_available():
+        pytest.skip("CPU (or Linux) lacks AMX-INT8")
     from minivllm import LLM, SamplingParams
     from minivllm.layers.fused_decode import FusedLlamaDecode
 
@@ -349,8 +410,8 @@ def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_chec
     for i, linear in enumerate(linears):
         scheme, symmetric, group = formats[i % len(formats)]
         qw = _quantize(scheme, bool(symmetric), group, linear.weight.float())
-        if scheme == "int8_w8a8":
-            prepack_w8a8(qw)  # batches past W8A8_MAX_KERNEL_ROWS run oneDNN
+        if scheme == "int8_w8a8":  # batches past w8a8_max_kernel_rows run the packed copy
+            prepack_w8a8(qw, amx=packing == "amx")
         linear.quant_method = _KernelQuantMethod(qw)
     fused_step, reason = FusedLlamaDecode.build(runner.model, runner.kernels, runner.attn_backend)
     assert reason == "on"

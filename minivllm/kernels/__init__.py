@@ -62,6 +62,7 @@ def get_cpu_kernels() -> ModuleType | None:
             "watermark.cpp",
             "quant_gemm.cpp",
             "quant_w8a8.cpp",
+            "amx_w8a8.cpp",
             "dsa.cpp",
             "moe.cpp",
         ),

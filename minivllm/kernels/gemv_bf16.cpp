@@ -150,6 +150,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W^T + b on int8/int4/fp8 weights (minivllm/quantization/formats.py)", nogil);
   m.def("quantize_per_token_int8", &quantize_per_token_int8,
         "bf16 rows -> int8 and per-row scales (amax / 127)", nogil);
+  m.def("amx_w8a8_available", &amx_w8a8_available, "whether AMX-INT8 runs here (asks Linux for it once)");
+  m.def("amx_w8a8_linear", &amx_w8a8_linear, "int8_w8a8 on AMX-INT8, per-token scales fused", nogil);
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);
   m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache", nogil);
   m.def("write_kv_cache", &write_kv_cache, "write a step's keys and values into the paged cache", nogil);

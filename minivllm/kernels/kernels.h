@@ -83,6 +83,12 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, 
 void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
                  const torch::Tensor& wsum, const at::BFloat16* bias, torch::Tensor& y);
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x);
+// One row of x (K % 16 == 0) as quantize_per_token_int8 does it: q, and the scale returned.
+float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
+// int8_w8a8 on AMX-INT8 (amx_w8a8.cpp) on formats.pack_amx_w8a8's layout.
+bool amx_w8a8_available();
+torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
+                              torch::Tensor scale, c10::optional<torch::Tensor> bias);
 torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                  const torch::Tensor& scale, const torch::Tensor& bias);
 // DeepSeek sparse attention (dsa.cpp) and routed experts (moe.cpp); the references are

@@ -150,6 +150,8 @@ void w8a8_run(const W8A8& p) {
 
 }  // namespace
 
+float quantize_row_int8(const bf16* x, int64_t K, int8_t* q) { return quantize_row(x, K, q, 0); }
+
 void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
                  const torch::Tensor& wsum, const bf16* bias, torch::Tensor& y) {
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni"), "quant_linear: int8_w8a8 needs AVX512-VNNI");

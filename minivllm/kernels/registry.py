@@ -75,6 +75,8 @@ register_family(
             "watermark_argmax",
             "quant_linear",
             "quantize_per_token_int8",
+            "amx_w8a8_available",
+            "amx_w8a8_linear",
             "dsa_indexer_topk",
             "sparse_mla_decode",
             "moe_experts",

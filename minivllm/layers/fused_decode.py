@@ -41,6 +41,7 @@ from minivllm.quantization.formats import (
     QuantWeights,
     kernel_supports,
     kernel_supports_shape,
+    w8a8_max_kernel_rows,
 )
 
 
@@ -156,6 +157,7 @@ class FusedLlamaDecode:
         self.packed: list[torch.Tensor] = []
         self.quant_kinds: list[int] = []
         self.quant: list[torch.Tensor] = []
+        self.max_w8a8_kernel_rows = W8A8_MAX_KERNEL_ROWS  # VNNI kernel rows before the copy's GEMM
         for layer in parts.layers:
             for linear in layer.linears:
                 self._add_linear(linear, none)
@@ -185,6 +187,9 @@ class FusedLlamaDecode:
         self.quant_kinds.append(weights.kind)
         self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
         self.quant.append(_or(weights.packed, none))
+        if weights.packed is not None:  # int8_w8a8's copy: the AMX layout or oneDNN's
+            rows = w8a8_max_kernel_rows(weights.packed)
+            self.max_w8a8_kernel_rows = min(self.max_w8a8_kernel_rows, rows)
 
     @classmethod
     def build(
@@ -213,7 +218,7 @@ class FusedLlamaDecode:
             MAX_KERNEL_ROWS_PACKED,
             self.quant_kinds,
             self.quant,
-            W8A8_MAX_KERNEL_ROWS,
+            self.max_w8a8_kernel_rows,
             [a.kv_cache for a in self.attention],
             self.windows,
             self.final_norm,

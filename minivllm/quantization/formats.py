@@ -311,7 +311,7 @@ def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) ->
     return scheme != "int4_w4a16" or (_divides(32, group_size) and in_features % group_size == 0)
 
 
-# -- int8_w8a8 for large batches: oneDNN on a prepacked copy ---------------------------------
+# -- int8_w8a8 for large batches: AMX, or oneDNN, on a prepacked copy ------------------------
 
 PACK_BATCH_HINT = 128  # the batch size oneDNN picks its packed layout for
 # rows up to which the VNNI kernel beats oneDNN's int8 GEMM (AMX there) on a prepacked
@@ -319,6 +319,10 @@ PACK_BATCH_HINT = 128  # the batch size oneDNN picks its packed layout for
 # from memory, the kernel is ahead up to 12 rows (1.0-1.2x at 12, 1.4-1.6x at 8), oneDNN
 # from 16 on three shapes of four (1.1-1.2x); with the weights in cache oneDNN wins from 10
 W8A8_MAX_KERNEL_ROWS = 12
+# the same against our AMX kernel (amx_w8a8.cpp), same machine and shapes: at 4 rows the
+# VNNI kernel is 1.1-1.4x ahead, at 8 the AMX one by 1.3-1.8x (benchmarks/amx_w8a8.py)
+W8A8_AMX_MAX_KERNEL_ROWS = 4
+AMX_BLOCK_N, AMX_BLOCK_K = 32, 64  # output rows per weight block, int8 k per tile row
 
 
 def onednn_int8_available() -> bool:
@@ -326,14 +330,39 @@ def onednn_int8_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
-def prepack_w8a8(qw: QuantWeights) -> None:
-    """Fill `qw.packed` with oneDNN's prepacked copy of the int8 weight; RuntimeError where
-    this torch lacks oneDNN's int8 linear (then use the VNNI kernel at every batch)."""
+def prepack_w8a8(qw: QuantWeights, amx: bool = False) -> None:
+    """Fill `qw.packed` with a copy of the int8 weight for large batches: our AMX kernel's
+    layout (`pack_amx_w8a8`) where `amx`, else oneDNN's; RuntimeError where neither runs
+    (then use the VNNI kernel at every batch)."""
     if qw.scheme != "int8_w8a8":
         raise ValueError(f"only int8_w8a8 weights are prepacked, not {qw.scheme}")
+    if amx:
+        qw.packed = pack_amx_w8a8(qw.weight)
+        return
     if not onednn_int8_available():
         raise RuntimeError("oneDNN's int8 linear (onednn::qlinear_prepack) is unavailable")
     qw.packed = torch.ops.onednn.qlinear_prepack(qw.weight, [PACK_BATCH_HINT, qw.in_features])
+
+
+def is_amx_packed(packed: Tensor | None) -> bool:
+    """Whether a prepacked int8_w8a8 copy is our AMX layout (oneDNN's is an opaque tensor)."""
+    return packed is not None and not packed.is_mkldnn
+
+
+def w8a8_max_kernel_rows(packed: Tensor | None) -> int:
+    """Rows up to which the VNNI kernel runs int8_w8a8 before the prepacked copy's GEMM."""
+    return W8A8_AMX_MAX_KERNEL_ROWS if is_amx_packed(packed) else W8A8_MAX_KERNEL_ROWS
+
+
+def pack_amx_w8a8(q: Tensor) -> Tensor:
+    """int8 q [N, K] in the layout amx_w8a8.cpp's tiles load: [N/32, K/64, 2, 16, 64], zero-
+    padded to whole blocks. Block b, k-block kb, half j holds rows n = 32b + 16j + c (c < 16)
+    and k = 64kb + 4i + e as byte [i, 4c + e]: TDPBSSD's B operand, 4 k per 32-bit lane."""
+    n, k = q.shape
+    n_pad, k_pad = -n % AMX_BLOCK_N, -k % AMX_BLOCK_K
+    padded = torch.nn.functional.pad(q, (0, k_pad, 0, n_pad))
+    blocks = padded.view((n + n_pad) // 32, 2, 16, (k + k_pad) // 64, 16, 4)  # b j c kb i e
+    return blocks.permute(0, 3, 1, 4, 2, 5).contiguous().view(-1, (k + k_pad) // 64, 2, 16, 64)
 
 
 def w8a8_large_batch(

@@ -36,7 +36,7 @@ logger = logging.getLogger("minivllm")
 
 # rows up to which the weight-streaming kernels run the weight-only schemes; past them the
 # weight is dequantized to bf16 for oneDNN's GEMM (prefill). int8_w8a8's crossover to
-# oneDNN's int8 GEMM is formats.W8A8_MAX_KERNEL_ROWS.
+# its prepacked copy's GEMM (AMX or oneDNN) is formats.w8a8_max_kernel_rows.
 MAX_STREAMING_ROWS = 64
 
 
@@ -55,6 +55,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.op = None  # the compiled quant_linear, where used
         self.quantize_rows = None  # the compiled per-token int8 quantizer, with it
         self.fp32_int8_op = None  # the AVX2 family's int8 op, for int8_w8a16 in fp32 engines
+        self.amx_op = None  # int8_w8a8's AMX GEMM past a few rows, where the CPU has AMX-INT8
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
 
@@ -117,10 +118,14 @@ class QuantizedLinearMethod(LinearMethodBase):
 
     def use(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
         """Apply `qw` from now on: choose the op, and give int8_w8a8 on the kernels its
-        oneDNN-prepacked copy for large batches (made per engine, never stored)."""
+        prepacked copy for large batches (made per engine, never stored): our AMX kernel's
+        where the CPU has AMX-INT8, else oneDNN's."""
         self.choose_backend(qw, kernels)
-        if self.op is not None and qw.scheme == "int8_w8a8" and formats.onednn_int8_available():
-            formats.prepack_w8a8(qw)
+        if self.op is not None and qw.scheme == "int8_w8a8":
+            available = kernels.op("amx_w8a8_available")
+            self.amx_op = kernels.op("amx_w8a8_linear") if available and available() else None
+            if self.amx_op is not None or formats.onednn_int8_available():
+                formats.prepack_w8a8(qw, amx=self.amx_op is not None)
         self.quant_weights = qw
 
     @property
@@ -161,12 +166,14 @@ class QuantizedLinearMethod(LinearMethodBase):
             return formats.reference_linear(x, qw, bias)
         m = rows.shape[0]
         if qw.scheme == "int8_w8a8":
-            if m > formats.W8A8_MAX_KERNEL_ROWS and qw.packed is not None:
-                out = formats.w8a8_large_batch(rows, qw, bias, self.quantize_rows)
-            else:
+            if qw.packed is None or m <= formats.w8a8_max_kernel_rows(qw.packed):
                 out = self.op(
                     rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias
                 )
+            elif self.amx_op is not None:
+                out = self.amx_op(rows, qw.packed, qw.in_features, qw.scale, bias)
+            else:
+                out = formats.w8a8_large_batch(rows, qw, bias, self.quantize_rows)
         elif m > MAX_STREAMING_ROWS:
             out = F.linear(rows, formats.dequantize(qw).to(x.dtype), bias)
         else:

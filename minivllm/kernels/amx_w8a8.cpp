@@ -1,0 +1,190 @@
+// int8_w8a8 at prefill and batched decode on AMX (Intel Sapphire Rapids and later).
+//
+// y = (acc * xs[m]) * scale[n] (+ bias), acc[m, n] = sum_k xq[m, k] q[n, k] in int32, exactly
+// formats.reference_linear's contract: x is quantized per token as quantize_per_token does
+// (quant_w8a8.cpp's quantize_row), the int8 products are summed by TDPBSSD (signed x signed
+// bytes, 16 x 16 int32 sums over 64 k per instruction), and the float epilogue (both
+// scales, the bias, the rounding to bf16) runs on each 16 x 16 block as it leaves the tile
+// registers. That last part is why this exists: oneDNN's int8 GEMM takes one scale for all
+// of x, so per-token scales cost two more passes over a float32 output, which ate its gain
+// over bf16 (docs/quantization.md). It stays the fallback on CPUs without AMX.
+//
+// The weight is packed once at load (formats.pack_amx_w8a8) into the tiles' layout: blocks
+// of 32 output rows, and in each, per 64 k, two 1 KB tiles of 16 rows (k / 4) x 16 columns
+// (n) x 4 bytes (k % 4), zero-padded to whole blocks. A step multiplies 32 rows of x by a
+// 32-row weight block: two A tiles (x, read in place) times two B tiles into four C tiles.
+// Threads split the weight blocks; x is taken in chunks that stay in L2 (AMX_CHUNK_BYTES).
+#include <ATen/Parallel.h>
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <torch/extension.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+constexpr int64_t kTileK = 64;            // int8 k per tile row
+constexpr int64_t kBlock = 32;            // rows of x and of the weight per step
+constexpr int64_t kTileBytes = 16 * 64;   // one tile
+constexpr int64_t kChunkBytes = 768 << 10;  // x rows per chunk: this much of L2 (2 MB here)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX register state only on request (arch_prctl, since 5.16).
+constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+
+bool cpu_has_amx_int8() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
+}
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-int8")
+
+// Tiles 0-3: C (16 x 16 int32); 4, 5: A (16 rows of x x 64 k); 6, 7: B (16 x 64 bytes).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+struct Gemm {
+  const int8_t* xq;  // [Mp, ldx], zeros past row M and past k = K
+  int64_t ldx, M, N, blocks_k;
+  const float *xs, *scale;
+  const int8_t* w;  // packed: [N / 32, blocks_k, 2, 16, 64]
+  const bf16* bias;
+  bf16* y;
+
+  // C tiles of rows [m0, m0 + 32) x weight block nb, scaled, biased and rounded into y.
+  void store(const int32_t (&c)[4][16][16], int64_t m0, int64_t nb) const {
+    for (int j = 0; j < 2; ++j) {
+      const int64_t n0 = nb * kBlock + 16 * j;
+      if (n0 >= N) break;
+      const __mmask16 live = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+      const __m512 s = _mm512_maskz_loadu_ps(live, scale + n0);
+      __m512 b = _mm512_setzero_ps();
+      if (bias) {
+        const __m256i raw = _mm256_maskz_loadu_epi16(live, bias + n0);
+        b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      }
+      const int64_t rows = std::min<int64_t>(kBlock, M - m0);
+      for (int64_t mi = 0; mi < rows; ++mi) {
+        const int64_t m = m0 + mi;
+        const __m512 acc = _mm512_cvtepi32_ps(_mm512_load_si512(c[2 * (mi / 16) + j][mi % 16]));
+          __m512 v = _mm512_mul_ps(_mm512_mul_ps(acc, _mm512_set1_ps(xs[m])), s);
+          if (bias) v = _mm512_add_ps(v, b);
+          _mm256_mask_storeu_epi16(y + m * N + n0, live, (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+  }
+
+  // Rows [m_begin, m_end) of x (whole 32-row steps, zero-padded) times weight blocks [b0, b1).
+  void run(int64_t m_begin, int64_t m_end, int64_t b0, int64_t b1) const {
+    alignas(64) int32_t c[4][16][16];
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const int8_t* wb = w + nb * blocks_k * 2 * kTileBytes;
+      for (int64_t m0 = m_begin; m0 < m_end; m0 += kBlock) {
+        const int8_t* x0 = xq + m0 * ldx;
+        const int8_t* x1 = x0 + 16 * ldx;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t kb = 0; kb < blocks_k; ++kb) {
+          _tile_loadd(4, x0 + kb * kTileK, ldx);
+          _tile_loadd(5, x1 + kb * kTileK, ldx);
+          _tile_loadd(6, wb + kb * 2 * kTileBytes, 64);
+          _tile_loadd(7, wb + kb * 2 * kTileBytes + kTileBytes, 64);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        store(c, m0, nb);
+      }
+    }
+  }
+};
+
+void run_gemm(const Gemm& g, int64_t Mp) {
+  const int64_t blocks_n = (g.N + kBlock - 1) / kBlock;
+  const int64_t chunk = std::max(kBlock, kChunkBytes / g.ldx / kBlock * kBlock);
+  for (int64_t m = 0; m < Mp; m += chunk) {
+    const int64_t m_end = std::min(Mp, m + chunk);
+    at::parallel_for(0, blocks_n, 1, [&](int64_t b0, int64_t b1) {
+      configure_tiles();  // per thread: the configuration is thread state
+      g.run(m, m_end, b0, b1);
+      _tile_release();
+    });
+  }
+}
+
+#pragma GCC pop_options
+
+}  // namespace
+
+bool amx_w8a8_available() {
+  // the permission is the process's; asked once
+  static const bool ok = cpu_has_amx_int8() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+}
+
+torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
+                              torch::Tensor scale, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(amx_w8a8_available(), "amx_w8a8_linear: this CPU (or kernel) does not offer AMX-INT8");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "amx_w8a8_linear: x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 5 && packed.size(2) == 2 &&
+                  packed.size(3) == 16 && packed.size(4) == 64 && packed.is_contiguous(),
+              "amx_w8a8_linear: packed must be formats.pack_amx_w8a8's int8 [N/32, K/64, 2, 16, 64]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
+              "amx_w8a8_linear: scale must be float32 [N]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), blocks_k = packed.size(1);
+  TORCH_CHECK(K == in_features && K % 16 == 0 && (K + kTileK - 1) / kTileK == blocks_k,
+              "amx_w8a8_linear: x has K=", K, ", the weight ", in_features, " (a multiple of 16, in ",
+              blocks_k, " packed blocks of 64)");
+  TORCH_CHECK((N + kBlock - 1) / kBlock == packed.size(0), "amx_w8a8_linear: scale has N=", N,
+              ", the packed weight ", packed.size(0), " blocks of 32 rows");
+  const bf16* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(),
+                "amx_w8a8_linear: bias must be bf16 [N]");
+    b = bias->data_ptr<bf16>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const int64_t ldx = blocks_k * kTileK, Mp = (M + kBlock - 1) / kBlock * kBlock;
+  auto xq = torch::zeros({Mp, ldx}, x.options().dtype(at::kChar));
+  auto xs = torch::empty({M}, x.options().dtype(at::kFloat));
+  const bf16* xp = x.data_ptr<bf16>();
+  int8_t* q = xq.data_ptr<int8_t>();
+  float* s = xs.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) s[m] = quantize_row_int8(xp + m * K, K, q + m * ldx);
+  });
+  Gemm g{q, ldx, M, N, blocks_k, s, scale.data_ptr<float>(), packed.data_ptr<int8_t>(), b, y.data_ptr<bf16>()};
+  run_gemm(g, Mp);
+  return y;
+}
