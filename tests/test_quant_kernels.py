@@ -310,6 +310,27 @@ def test_amx_w8a8_rejects_mismatched_inputs():
 
 
 @needs_bf16
+@pytest.mark.parametrize("scheme, symmetric, group", FORMATS)
+def test_dequantize_bf16_equals_the_reference_rounded_once(scheme, symmetric, group):
+    """The large-batch path's dequantization: formats.dequantize(qw).to(bf16), bit for bit."""
+    qw = _quantize(scheme, symmetric, group, _weights(48, 256, 7) * 3)
+    out = torch.empty(48, 256, dtype=torch.bfloat16)
+    get_cpu_kernels().dequantize_bf16(qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, out)
+    assert torch.equal(out, dequantize(qw).to(torch.bfloat16))
+
+
+@needs_bf16
+def test_dequantize_bf16_decodes_every_fp8_byte():
+    numbers = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    q = torch.cat([numbers, numbers[: 256 - len(numbers)]]).reshape(-1, 32)
+    assert q.shape == (8, 32)  # every non-NaN byte, zeros and subnormals included
+    qw = from_fp8_values(q, torch.rand(8) + 0.5)
+    out = torch.empty(8, 32, dtype=torch.bfloat16)
+    get_cpu_kernels().dequantize_bf16(qw.kind, qw.weight, qw.scale, None, 0, out)
+    assert torch.equal(out, dequantize(qw).to(torch.bfloat16))
+
+
+@needs_bf16
 def test_quant_linear_rejects_malformed_inputs():
     kernels = get_cpu_kernels()
     qw = quantize(_weights(16, 128, 2), "int4_w4a16", group_size=64)

@@ -80,6 +80,8 @@ torch::Tensor watermark_argmax(torch::Tensor probs, torch::Tensor states, torch:
 torch::Tensor quant_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
                            c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> wsum,
                            int64_t group_size, c10::optional<torch::Tensor> bias);
+void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c10::optional<torch::Tensor> zero,
+                     int64_t group_size, torch::Tensor out);
 void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
                  const torch::Tensor& wsum, const at::BFloat16* bias, torch::Tensor& y);
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x);

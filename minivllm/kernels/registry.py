@@ -75,6 +75,7 @@ register_family(
             "watermark_argmax",
             "quant_linear",
             "quantize_per_token_int8",
+            "dequantize_bf16",
             "amx_w8a8_available",
             "amx_w8a8_linear",
             "dsa_indexer_topk",

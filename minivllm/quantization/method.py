@@ -10,14 +10,17 @@ pre-quantized checkpoint layer (`compressed_tensors.py`) arrives at the same
 `apply` runs our C++ kernel (`quant_linear`, dequantizing in registers) where the
 machine and shape allow and the backend choice says so, else the plain-PyTorch
 reference, which is also the kernel's test oracle. Weight-only schemes at large
-batches (prefill) dequantize the weight to the activation dtype once per call and use
-the dense GEMM: there the step is compute-bound and oneDNN's bf16 GEMM is faster than
-converting in registers. int8_w8a8 at large batches uses oneDNN's int8 GEMM instead.
+batches (prefill) dequantize the weight to bf16 once per call (the compiled
+`dequantize_bf16`, into a scratch buffer reused across layers) and use the dense GEMM:
+there the step is compute-bound and oneDNN's bf16 GEMM is faster than converting in
+registers. int8_w8a8 at large batches runs its prepacked copy: our AMX kernel, or
+oneDNN's int8 GEMM on CPUs without AMX.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +41,10 @@ logger = logging.getLogger("minivllm")
 # weight is dequantized to bf16 for oneDNN's GEMM (prefill). int8_w8a8's crossover to
 # its prepacked copy's GEMM (AMX or oneDNN) is formats.w8a8_max_kernel_rows.
 MAX_STREAMING_ROWS = 64
+# per thread, a bf16 buffer per weight size for the large-batch dequantization: a fresh
+# allocation each call page-faulted its ~10 MB in again, a few ms a layer (an engine runs
+# its forward on one thread; the buffers are the size of the largest layers, ~30 MB at 0.6B)
+_SCRATCH = threading.local()
 
 
 class QuantizedLinearMethod(LinearMethodBase):
@@ -56,6 +63,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.quantize_rows = None  # the compiled per-token int8 quantizer, with it
         self.fp32_int8_op = None  # the AVX2 family's int8 op, for int8_w8a16 in fp32 engines
         self.amx_op = None  # int8_w8a8's AMX GEMM past a few rows, where the CPU has AMX-INT8
+        self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
 
@@ -153,6 +161,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             )
         self.op = op if usable and wanted != "torch" else None
         self.quantize_rows = kernels.op("quantize_per_token_int8") if self.op is not None else None
+        self.dequantize_op = kernels.op("dequantize_bf16") if self.op is not None else None
         self.backend = "cpu_kernel" if self.op is not None else "torch"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -175,10 +184,23 @@ class QuantizedLinearMethod(LinearMethodBase):
             else:
                 out = formats.w8a8_large_batch(rows, qw, bias, self.quantize_rows)
         elif m > MAX_STREAMING_ROWS:
-            out = F.linear(rows, formats.dequantize(qw).to(x.dtype), bias)
+            out = F.linear(rows, self._dequantized(qw), bias)
         else:
             out = self.op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
         return out.view(*x.shape[:-1], qw.out_features)
+
+    def _dequantized(self, qw: formats.QuantWeights) -> torch.Tensor:
+        """qw's weight in bf16, `formats.dequantize(qw).to(bf16)` bit for bit, in this
+        thread's scratch buffer for its size (valid until the next layer's call)."""
+        if self.dequantize_op is None:
+            return formats.dequantize(qw).to(torch.bfloat16)
+        buffers = _SCRATCH.__dict__.setdefault("by_size", {})
+        size = qw.out_features * qw.in_features
+        if size not in buffers:
+            buffers[size] = torch.empty(size, dtype=torch.bfloat16)
+        out = buffers[size].view(qw.out_features, qw.in_features)
+        self.dequantize_op(qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, out)
+        return out
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the dequantized weight: the lookup of a quantized embedding table."""
