@@ -16,7 +16,9 @@ Variants (each in its own subprocess, one after another, so they never share the
   int8-nohead / int4-nohead   the shorthands as they are (LM head unquantized)
   ckpt       --ckpt-model as stored (a W8A8 compressed-tensors checkpoint: the one
              --vllm-model serves, so both engines run the same weights)
-The table gives tokens/s and each variant's ratio to bf16 (and to each anchor column).
+The table gives tokens/s and each variant's ratio to bf16 (and to each anchor column);
+with --rounds N our variants run N times interleaved, the table takes medians and each
+round's ratios to bf16 are listed too (anchors run once).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -80,6 +83,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run our variants this many times, interleaved (bf16, int8, ..., bf16, int8, ...), "
+        "and report each metric's median: this VM's speed drifts by up to 30%% between "
+        "minutes, so a ratio from one round can be off by as much",
+    )
+    parser.add_argument(
         "--variants", nargs="+", default=["bf16", "int8", "int4", "w8a8"], choices=VARIANTS
     )
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -106,22 +117,27 @@ def main() -> None:
         result = run_variant(args.model, args.child, args.reps, args.workloads)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    results, columns = {}, []
-    for variant in args.variants:
-        model = args.ckpt_model if variant == "ckpt" else args.model
-        if model is None:
-            parser.error("the ckpt variant needs --ckpt-model")
-        cmd = [sys.executable, __file__, "--child", variant, "--model", model]
-        cmd += [
-            "--threads",
-            str(args.threads),
-            "--reps",
-            str(args.reps),
-            "--workloads",
-            *args.workloads,
-        ]
-        results[variant] = _run(f"minivllm-{variant}", cmd)
-        columns.append(variant)
+    rounds: list[dict] = []
+    for r in range(args.rounds):
+        rounds.append({})
+        for variant in args.variants:
+            model = args.ckpt_model if variant == "ckpt" else args.model
+            if model is None:
+                parser.error("the ckpt variant needs --ckpt-model")
+            cmd = [sys.executable, __file__, "--child", variant, "--model", model]
+            cmd += [
+                "--threads",
+                str(args.threads),
+                "--reps",
+                str(args.reps),
+                "--workloads",
+                *args.workloads,
+            ]
+            label = f"minivllm-{variant}" + (f" (round {r + 1})" if args.rounds > 1 else "")
+            rounds[-1][variant] = _run(label, cmd)
+    results, columns = _median_of_rounds(rounds), list(args.variants)
+    if args.rounds > 1:
+        _print_round_ratios(rounds)
     llama = argparse.Namespace(**{**vars(args), "vllm_python": None})
     llama.workloads = args.llamacpp_workloads or args.workloads
     vllm = argparse.Namespace(**{**vars(args), "llamacpp_gguf": None})
@@ -137,6 +153,33 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+def _median_of_rounds(rounds: list[dict]) -> dict:
+    """Per variant, each numeric metric's median over the rounds (the rest from round 1)."""
+    merged = {}
+    for variant, first in rounds[0].items():
+        merged[variant] = dict(first)
+        for key, value in first.items():
+            if isinstance(value, float):
+                merged[variant][key] = statistics.median(r[variant][key] for r in rounds)
+    return merged
+
+
+def _print_round_ratios(rounds: list[dict]) -> None:
+    """Each variant's ratio to bf16 within each round (variants of a round run minutes apart)."""
+    if "bf16" not in rounds[0]:
+        return
+    for key in sorted(k for k, v in rounds[0]["bf16"].items() if k.endswith("tok_s")):
+        for variant in (v for v in rounds[0] if v != "bf16"):
+            ratios = [r[variant][key] / r["bf16"][key] for r in rounds]
+            listed = ", ".join(
+                f"{x:.2f} ({r[variant][key]:.1f} vs {r['bf16'][key]:.1f})"
+                for x, r in zip(ratios, rounds)
+            )
+            print(
+                f"{variant}/bf16 {key} per round: {listed} (median {statistics.median(ratios):.2f}x)"
+            )
 
 
 def _print_table(results: dict, columns: list[str]) -> None:
