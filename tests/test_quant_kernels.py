@@ -273,7 +273,8 @@ def test_pack_amx_w8a8_puts_each_weight_where_the_tiles_read_it():
         b, j, c = n // 32, n % 32 // 16, n % 16
         assert packed[b, k // 64, j, k % 64 // 4, 4 * c + k % 4] == q[n, k]
     assert packed.flatten().abs().sum() == q.abs().sum()  # padding is zeros
-    assert packed[2, :, 1, :, 4 * 6 :].abs().sum() == 0  # rows 70..95 do not exist
+    # rows 70..95 do not exist: block 2's first half from column 6 (row 70), its second half
+    assert packed[2, :, 0, :, 4 * 6 :].abs().sum() == 0 and packed[2, :, 1].abs().sum() == 0
 
 
 @needs_amx
@@ -301,6 +302,8 @@ def test_amx_w8a8_rejects_mismatched_inputs():
     x = torch.randn(3, 128).bfloat16()
     with pytest.raises(RuntimeError, match="x has K=96, the weight 128"):  # same 64-blocks
         kernels.amx_w8a8_linear(torch.randn(3, 96).bfloat16(), packed, 128, qw.scale, None)
+    with pytest.raises(RuntimeError, match="x has K=0"):
+        kernels.amx_w8a8_linear(torch.randn(3, 0).bfloat16(), packed, 0, qw.scale, None)
     with pytest.raises(RuntimeError, match="scale has N=80"):
         kernels.amx_w8a8_linear(x, packed, 128, torch.ones(80), None)
     with pytest.raises(RuntimeError, match="pack_amx_w8a8"):

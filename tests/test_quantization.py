@@ -206,3 +206,34 @@ def test_shard_targets_count_as_used_and_w8a8_embeddings_are_refused(
             quantization="online",
             quantization_config={"targets": {"model.embed_tokens": "int8_w8a8"}},
         )
+
+
+@needs_kernels
+@pytest.mark.parametrize("quantization", ["int8", "int4", "fp8"])
+def test_large_batches_dequantize_like_the_reference(make_checkpoint, quantization) -> None:
+    """Past 64 rows the weight-only schemes dequantize to bf16 (the compiled op, into one
+    scratch buffer shared by layers of every size) for the dense GEMM: each layer's output
+    is the reference's up to the bf16 rounding of the weights, and a 100-token prompt runs."""
+    from minivllm.quantization import formats
+
+    model_dir = make_checkpoint("Qwen3ForCausalLM")
+    options = SMALL_GROUPS if quantization == "int4" else None
+    llm = _engine(
+        model_dir, dtype="bfloat16", quantization=quantization, quantization_config=options
+    )
+    model = llm.llm_engine.executor.runner.model
+    gen = torch.Generator().manual_seed(0)
+    for name in ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.qkv_proj"):
+        layer = model.get_submodule(name)
+        method, qw = layer.quant_method, layer.quant_method.quant_weights
+        assert method.dequantize_op is not None
+        x = torch.randn(100, qw.in_features, generator=gen).bfloat16()
+        got = method.apply(layer, x, None).double()
+        ref = formats.reference_linear(x, qw).double()
+        terms = x.double().abs() @ formats.dequantize(qw).double().abs().T
+        assert ((got - ref).abs() <= 2**-7 * ref.abs() + 2**-8 * terms).all()
+    prompt = [random.Random(7).randrange(3, 500) for _ in range(100)]
+    [out] = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2), use_tqdm=False
+    )
+    assert len(out.outputs[0].token_ids) == 2

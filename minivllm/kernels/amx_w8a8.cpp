@@ -15,7 +15,9 @@
 // 32-row weight block: two A tiles times two B tiles into four C tiles. x is quantized
 // into tile order too ([M / 16, K / 64, 16, 64]), so every tile load reads 1 KB in one
 // piece: with rows of x K bytes apart the GEMM ran up to 1.9x slower.
-// Threads split the weight blocks; x is taken in chunks that stay in L2 (AMX_CHUNK_BYTES).
+// Threads split the weight blocks; x is taken in chunks that stay in L2 (kChunkBytes).
+// Compilers without the AMX intrinsics (GCC < 11) build the module without this path:
+// amx_w8a8_available() then says false and oneDNN's int8 GEMM serves large batches.
 #include <ATen/Parallel.h>
 #include <cpuid.h>
 #include <immintrin.h>
@@ -29,6 +31,10 @@
 #include <vector>
 
 #include "kernels.h"
+
+#if __has_include(<amxtileintrin.h>)
+#define MINIVLLM_HAVE_AMX 1
+#endif
 
 namespace {
 
@@ -56,6 +62,7 @@ bool cpu_has_amx_int8() {
   return (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
 }
 
+#ifdef MINIVLLM_HAVE_AMX
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8")
 
@@ -146,13 +153,18 @@ void run_gemm(const Gemm& g, int64_t Mp) {
 }
 
 #pragma GCC pop_options
+#endif  // MINIVLLM_HAVE_AMX
 
 }  // namespace
 
 bool amx_w8a8_available() {
   // the permission is the process's; asked once
+#ifdef MINIVLLM_HAVE_AMX
   static const bool ok = cpu_has_amx_int8() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   return ok;
+#else
+  return false;
+#endif
 }
 
 torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
@@ -164,16 +176,19 @@ torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_
               "amx_w8a8_linear: packed must be formats.pack_amx_w8a8's int8 [N/32, K/64, 2, 16, 64]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
               "amx_w8a8_linear: scale must be float32 [N]");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scale.device().is_cpu(),
+              "amx_w8a8_linear: tensors must be on the CPU");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = scale.size(0), blocks_k = packed.size(1);
-  TORCH_CHECK(K == in_features && K % 16 == 0 && (K + kTileK - 1) / kTileK == blocks_k,
+  TORCH_CHECK(K > 0 && K == in_features && K % 16 == 0 && (K + kTileK - 1) / kTileK == blocks_k,
               "amx_w8a8_linear: x has K=", K, ", the weight ", in_features, " (a multiple of 16, in ",
               blocks_k, " packed blocks of 64)");
   TORCH_CHECK((N + kBlock - 1) / kBlock == packed.size(0), "amx_w8a8_linear: scale has N=", N,
               ", the packed weight ", packed.size(0), " blocks of 32 rows");
   const bf16* b = nullptr;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous(),
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous() &&
+                    bias->device().is_cpu(),
                 "amx_w8a8_linear: bias must be bf16 [N]");
     b = bias->data_ptr<bf16>();
   }
@@ -195,7 +210,9 @@ torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_
         std::memcpy(tiles + kb * kTileBytes, row.data() + kb * kTileK, kTileK);
     }
   });
+#ifdef MINIVLLM_HAVE_AMX
   Gemm g{q, M, N, blocks_k, s, scale.data_ptr<float>(), packed.data_ptr<int8_t>(), b, y.data_ptr<bf16>()};
   run_gemm(g, Mp);
+#endif
   return y;
 }

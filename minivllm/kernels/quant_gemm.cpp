@@ -348,7 +348,8 @@ void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype
 }  // namespace
 
 // formats.dequantize(qw).to(bf16), bit for bit: each weight in float32 (q * s, the fp8
-// number * s, or (q - z) * s for int4), rounded to bf16 once. Past MAX_STREAMING_ROWS rows
+// number * s, or (q - z) * s for int4), rounded to bf16 once. fp8's NaN bytes (which
+// formats.from_fp8_values refuses) decode as numbers here, as in the other fp8 kernels. Past MAX_STREAMING_ROWS rows
 // the weight-only schemes hand this to oneDNN's bf16 GEMM; in plain PyTorch the same
 // dequantization took several passes over float32 copies, about 3x the GEMM at prefill.
 void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c10::optional<torch::Tensor> zero,
@@ -366,6 +367,7 @@ void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c1
     check_tensor(scale, "scale", at::kFloat, {N, K / group_size});
     if (has_zero) check_tensor(*zero, "zero", at::kFloat, {N, K / group_size});
   } else {
+    TORCH_CHECK(!has_zero, "dequantize_bf16: only int4 (kind 2) takes zero points");
     check_tensor(scale, "scale", at::kFloat, {N});
   }
   const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());

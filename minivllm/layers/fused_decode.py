@@ -39,6 +39,7 @@ from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.quantization.formats import (
     W8A8_MAX_KERNEL_ROWS,
     QuantWeights,
+    is_amx_packed,
     kernel_supports,
     kernel_supports_shape,
     w8a8_max_kernel_rows,
@@ -158,6 +159,7 @@ class FusedLlamaDecode:
         self.quant_kinds: list[int] = []
         self.quant: list[torch.Tensor] = []
         self.max_w8a8_kernel_rows = W8A8_MAX_KERNEL_ROWS  # VNNI kernel rows before the copy's GEMM
+        self._w8a8_amx: bool | None = None  # whether the int8_w8a8 copies are AMX's
         for layer in parts.layers:
             for linear in layer.linears:
                 self._add_linear(linear, none)
@@ -188,8 +190,11 @@ class FusedLlamaDecode:
         self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
         self.quant.append(_or(weights.packed, none))
         if weights.packed is not None:  # int8_w8a8's copy: the AMX layout or oneDNN's
-            rows = w8a8_max_kernel_rows(weights.packed)
-            self.max_w8a8_kernel_rows = min(self.max_w8a8_kernel_rows, rows)
+            # one threshold serves every layer: use() packs them all alike on a machine
+            amx = is_amx_packed(weights.packed)
+            assert self._w8a8_amx in (None, amx), "int8_w8a8 layers packed two ways"
+            self._w8a8_amx = amx
+            self.max_w8a8_kernel_rows = w8a8_max_kernel_rows(weights.packed)
 
     @classmethod
     def build(

@@ -51,7 +51,8 @@ class QuantWeights:
 
     `zero` is int4's per-group zero point (None: symmetric, 8), `wsum` int8_w8a8's row
     sums of q, `group_size` int4's k per scale (0 for per-channel schemes). `packed` is a
-    oneDNN-prepacked int8 copy for large int8_w8a8 batches (`prepack_w8a8`); it is
+    prepacked int8 copy for large int8_w8a8 batches (`prepack_w8a8`: our AMX kernel's
+    layout, or oneDNN's); it is
     derived, so `tensors()` leaves it out and a rebuilt QuantWeights prepacks anew.
     """
 
@@ -375,8 +376,8 @@ def w8a8_large_batch(
     numbers as `reference_linear` (exact int32 sums), faster than the VNNI kernel from a
     few dozen rows. `quantize_rows` is the compiled `quantize_per_token_int8`, or None for
     `quantize_per_token`."""
-    if qw.packed is None:
-        raise RuntimeError("no oneDNN-packed weight: call prepack_w8a8 first")
+    if qw.packed is None or is_amx_packed(qw.packed):
+        raise RuntimeError("no oneDNN-packed weight: call prepack_w8a8(qw, amx=False) first")
     rows = x.reshape(-1, qw.in_features)
     xq, xs = (quantize_rows or quantize_per_token)(rows)
     no_zero = torch.zeros(qw.out_features, dtype=torch.int64)

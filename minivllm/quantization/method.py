@@ -41,10 +41,13 @@ logger = logging.getLogger("minivllm")
 # weight is dequantized to bf16 for oneDNN's GEMM (prefill). int8_w8a8's crossover to
 # its prepacked copy's GEMM (AMX or oneDNN) is formats.w8a8_max_kernel_rows.
 MAX_STREAMING_ROWS = 64
-# per thread, a bf16 buffer per weight size for the large-batch dequantization: a fresh
-# allocation each call page-faulted its ~10 MB in again, a few ms a layer (an engine runs
-# its forward on one thread; the buffers are the size of the largest layers, ~30 MB at 0.6B)
+# per thread, one bf16 buffer for the large-batch dequantization, grown to the largest
+# weight it served: a fresh allocation each call page-faulted its ~10 MB in again, a few ms
+# a layer (an engine runs its forward on one thread). Weights over SCRATCH_MAX_ELEMENTS
+# (a quantized LM head: 151936 x 1024 at 0.6B) get a buffer of their own each call, so the
+# one kept stays the size of a decoder layer's largest linear.
 _SCRATCH = threading.local()
+SCRATCH_MAX_ELEMENTS = 64 << 20
 
 
 class QuantizedLinearMethod(LinearMethodBase):
@@ -191,14 +194,16 @@ class QuantizedLinearMethod(LinearMethodBase):
 
     def _dequantized(self, qw: formats.QuantWeights) -> torch.Tensor:
         """qw's weight in bf16, `formats.dequantize(qw).to(bf16)` bit for bit, in this
-        thread's scratch buffer for its size (valid until the next layer's call)."""
+        thread's scratch buffer (valid until the next layer's call)."""
         if self.dequantize_op is None:
             return formats.dequantize(qw).to(torch.bfloat16)
-        buffers = _SCRATCH.__dict__.setdefault("by_size", {})
         size = qw.out_features * qw.in_features
-        if size not in buffers:
-            buffers[size] = torch.empty(size, dtype=torch.bfloat16)
-        out = buffers[size].view(qw.out_features, qw.in_features)
+        buffer = getattr(_SCRATCH, "buffer", None)
+        if size > SCRATCH_MAX_ELEMENTS:
+            buffer = torch.empty(size, dtype=torch.bfloat16)
+        elif buffer is None or buffer.numel() < size:
+            buffer = _SCRATCH.buffer = torch.empty(size, dtype=torch.bfloat16)
+        out = buffer[:size].view(qw.out_features, qw.in_features)
         self.dequantize_op(qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, out)
         return out
 
