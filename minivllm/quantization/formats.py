@@ -321,7 +321,8 @@ PACK_BATCH_HINT = 128  # the batch size oneDNN picks its packed layout for
 # from 16 on three shapes of four (1.1-1.2x); with the weights in cache oneDNN wins from 10
 W8A8_MAX_KERNEL_ROWS = 12
 # the same against our AMX kernel (amx_w8a8.cpp), same machine and shapes: at 4 rows the
-# VNNI kernel is 1.1-1.4x ahead, at 8 the AMX one by 1.3-1.8x (benchmarks/amx_w8a8.py)
+# VNNI kernel is 1.1-1.7x ahead, at 6 they are even, at 8 the AMX one leads by 1.3-1.9x
+# (benchmarks/amx_w8a8.py)
 W8A8_AMX_MAX_KERNEL_ROWS = 4
 AMX_BLOCK_N, AMX_BLOCK_K = 32, 64  # output rows per weight block, int8 k per tile row
 
