@@ -67,6 +67,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.fp32_int8_op = None  # the AVX2 family's int8 op, for int8_w8a16 in fp32 engines
         self.amx_op = None  # int8_w8a8's AMX GEMM past a few rows, where the CPU has AMX-INT8
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
+        self.w8a8_kernel_rows = 0  # int8_w8a8: rows for quant_linear before the packed copy
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
 
@@ -137,6 +138,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             self.amx_op = kernels.op("amx_w8a8_linear") if available and available() else None
             if self.amx_op is not None or formats.onednn_int8_available():
                 formats.prepack_w8a8(qw, amx=self.amx_op is not None)
+                self.w8a8_kernel_rows = formats.w8a8_max_kernel_rows(qw.packed)
         self.quant_weights = qw
 
     @property
@@ -178,7 +180,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             return formats.reference_linear(x, qw, bias)
         m = rows.shape[0]
         if qw.scheme == "int8_w8a8":
-            if qw.packed is None or m <= formats.w8a8_max_kernel_rows(qw.packed):
+            if qw.packed is None or m <= self.w8a8_kernel_rows:
                 out = self.op(
                     rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias
                 )
@@ -195,8 +197,6 @@ class QuantizedLinearMethod(LinearMethodBase):
     def _dequantized(self, qw: formats.QuantWeights) -> torch.Tensor:
         """qw's weight in bf16, `formats.dequantize(qw).to(bf16)` bit for bit, in this
         thread's scratch buffer (valid until the next layer's call)."""
-        if self.dequantize_op is None:
-            return formats.dequantize(qw).to(torch.bfloat16)
         size = qw.out_features * qw.in_features
         buffer = getattr(_SCRATCH, "buffer", None)
         if size > SCRATCH_MAX_ELEMENTS:
