@@ -28,6 +28,17 @@ def test_pool_allocates_in_order_and_frees_to_the_back():
         pool.allocate(2)
 
 
+def test_without_caching_the_most_recently_freed_blocks_are_reused_first():
+    pool = BlockPool(6, enable_caching=False)
+    a = pool.allocate(2)
+    assert [b.block_id for b in a] == [0, 1]
+    pool.free(reversed(a))  # 1, then 0
+    pool.check_integrity()
+    # the blocks just freed (warm pages) come back before the never-touched 2..5
+    assert [b.block_id for b in pool.allocate(3)] == [0, 1, 2]
+    pool.check_integrity()
+
+
 def test_prefix_hit_shares_blocks_and_counts_references():
     kv = KVCacheManager(num_blocks=8, block_size=4, enable_caching=True)
     tokens = list(range(10))  # 2 full blocks + 2 tokens

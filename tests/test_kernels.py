@@ -143,9 +143,11 @@ def test_fused_ops_match_the_layers_plain_paths(hidden, head):
         (37, 40, 2, 64, 0),
         (0, 70, 1, 32, 9),
         (50, 20, 2, 64, 16),
+        (3, 150, 4, 96, 0),
     ],
 )
-def test_prefill_attention_matches_a_reference(num_context, num_query, group, dim, window):
+@pytest.mark.parametrize("allow_amx", [True, False], ids=["amx-if-present", "avx512"])
+def test_prefill_attention_matches_a_reference(num_context, num_query, group, dim, window, allow_amx):
     kernels = get_cpu_kernels()
     gen = torch.Generator().manual_seed(num_context + num_query + dim)
     num_kv, block_size, num_blocks = 2, 8, 20
@@ -154,7 +156,9 @@ def test_prefill_attention_matches_a_reference(num_context, num_query, group, di
     seq_len = num_context + num_query
     block_table = torch.randperm(num_blocks, generator=gen)[: -(-seq_len // block_size)]
     q = torch.randn(num_query, num_kv * group, dim, generator=gen).bfloat16()
-    got = kernels.prefill_attention(q, k_cache, v_cache, block_table, num_context, 0.1, window)
+    got = kernels.prefill_attention(
+        q, k_cache, v_cache, block_table, num_context, 0.1, window, allow_amx=allow_amx
+    )
     slots = [
         int(block_table[t // block_size]) * block_size + t % block_size for t in range(seq_len)
     ]

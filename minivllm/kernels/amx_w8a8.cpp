@@ -56,23 +56,35 @@ struct alignas(64) TileConfig {
 // Linux hands out the AMX register state only on request (arch_prctl, since 5.16).
 constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
 
-bool cpu_has_amx_int8() {
+// CPUID leaf 7 EDX: bit 22 AMX-BF16, 24 AMX-TILE, 25 AMX-INT8
+bool cpu_has_amx(int unit_bit) {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  return (d >> 24 & 1) && (d >> 25 & 1);  // AMX-TILE, AMX-INT8
+  return (d >> 24 & 1) && (d >> unit_bit & 1);
 }
+
+#ifdef MINIVLLM_HAVE_AMX
+bool amx_permitted() {  // the permission is the process's; asked once
+  static const bool ok = syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return ok;
+}
+#endif
 
 #ifdef MINIVLLM_HAVE_AMX
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-int8")
 
 // Tiles 0-3: C (16 x 16 int32); 4, 5: A (16 rows of x x 64 k); 6, 7: B (16 x 64 bytes).
+// (A static, as in prefill_attention.cpp: a stack copy's stores can be dropped as dead.)
 void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
   _tile_loadconfig(&cfg);
 }
 
@@ -161,9 +173,17 @@ void run_gemm(const Gemm& g, int64_t Mp) {
 }  // namespace
 
 bool amx_w8a8_available() {
-  // the permission is the process's; asked once
 #ifdef MINIVLLM_HAVE_AMX
-  static const bool ok = cpu_has_amx_int8() && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  static const bool ok = cpu_has_amx(25) && amx_permitted();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+bool amx_bf16_available() {
+#ifdef MINIVLLM_HAVE_AMX
+  static const bool ok = cpu_has_amx(22) && amx_permitted();
   return ok;
 #else
   return false;

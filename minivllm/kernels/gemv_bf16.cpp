@@ -152,9 +152,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_per_token_int8", &quantize_per_token_int8,
         "bf16 rows -> int8 and per-row scales (amax / 127)", nogil);
   m.def("amx_w8a8_available", &amx_w8a8_available, "whether AMX-INT8 runs here (asks Linux for it once)");
+  m.def("amx_bf16_available", &amx_bf16_available, "whether AMX-BF16 runs here (asks Linux for it once)");
   m.def("amx_w8a8_linear", &amx_w8a8_linear, "int8_w8a8 on AMX-INT8, per-token scales fused", nogil);
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);
-  m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache", nogil);
+  m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("num_context"),
+        py::arg("scale"), py::arg("window"), py::arg("allow_amx") = true, nogil);
   m.def("write_kv_cache", &write_kv_cache, "write a step's keys and values into the paged cache", nogil);
   m.def("dsa_indexer_topk", &dsa_indexer_topk,
         "DSA lightning indexer: each query row's top-k tokens, ascending, -1-padded", nogil);

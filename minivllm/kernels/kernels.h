@@ -67,7 +67,7 @@ torch::Tensor paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, tor
                                      int64_t window);
 torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                 torch::Tensor block_table, int64_t num_context, double scale,
-                                int64_t window);
+                                int64_t window, bool allow_amx = true);
 void write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -89,6 +89,8 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x
 float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
 // int8_w8a8 on AMX-INT8 (amx_w8a8.cpp) on formats.pack_amx_w8a8's layout.
 bool amx_w8a8_available();
+// AMX-BF16 tiles usable here (CPU, compiler and the kernel's permission); prefill attention's
+bool amx_bf16_available();
 torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
                               torch::Tensor scale, c10::optional<torch::Tensor> bias);
 torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,

@@ -77,6 +77,7 @@ register_family(
             "quantize_per_token_int8",
             "dequantize_bf16",
             "amx_w8a8_available",
+            "amx_bf16_available",
             "amx_w8a8_linear",
             "dsa_indexer_topk",
             "sparse_mla_decode",
