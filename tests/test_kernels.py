@@ -147,7 +147,9 @@ def test_fused_ops_match_the_layers_plain_paths(hidden, head):
     ],
 )
 @pytest.mark.parametrize("allow_amx", [True, False], ids=["amx-if-present", "avx512"])
-def test_prefill_attention_matches_a_reference(num_context, num_query, group, dim, window, allow_amx):
+def test_prefill_attention_matches_a_reference(
+    num_context, num_query, group, dim, window, allow_amx
+):
     kernels = get_cpu_kernels()
     gen = torch.Generator().manual_seed(num_context + num_query + dim)
     num_kv, block_size, num_blocks = 2, 8, 20

@@ -219,6 +219,59 @@ def test_killed_daemon_fails_engine_and_leaves_a_stale_socket(
     fresh.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_speculative_draft_maps_from_the_daemon(
+    bf16_dir: Path,
+    start_daemon: Any,
+    make_checkpoint: Any,
+    tmp_path: Path,
+    method: str,
+    caplog: Any,
+) -> None:
+    """A daemon started with the engine's speculative_config holds the draft too; the
+    engine maps target and draft (one memfd) and decodes as a disk load does. An engine
+    without that draft falls back, naming the key's `draft` field."""
+    if method == "eagle":
+        from tests.test_eagle import make_eagle_head
+
+        draft = make_eagle_head(bf16_dir, tmp_path / "eagle")
+    else:
+        draft = make_checkpoint(
+            "Qwen3ForCausalLM", dtype=torch.bfloat16, seed=1, num_hidden_layers=1
+        )
+    spec = {"method": method, "model": str(draft), "num_speculative_tokens": 2}
+    disk = LLM(str(bf16_dir), speculative_config=spec, **ENGINE)
+    expected = disk.generate(PROMPTS, GREEDY, use_tqdm=False)
+    disk.llm_engine.shutdown()
+    daemon = start_daemon("--speculative-config", json.dumps(spec)).wait_ready()
+    extra = {"socket_dir": str(daemon.socket_dir), "fallback": False}  # map, or raise
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        llm = LLM(
+            str(bf16_dir),
+            load_format="ipc_cache",
+            model_loader_extra_config=extra,
+            speculative_config=spec,
+            **ENGINE,
+        )
+    try:
+        assert "draft model tensors from the weight cache daemon" in caplog.text
+        target = model_of(llm)
+        drafter = llm.llm_engine.executor.runner.spec_decoder.proposer.model
+        inode, path = mapping_of(next(target.parameters()).data_ptr())
+        assert "memfd:minivllm-weights" in path
+        assert all(mapping_of(p.data_ptr()) == (inode, path) for p in drafter.parameters())
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert_same_outputs(outputs, expected)
+    finally:
+        llm.llm_engine.shutdown()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        plain = ipc_llm(bf16_dir, daemon)
+    assert "mismatch on fields: ['draft']" in caplog.text
+    assert "memfd" not in mapping_of(next(model_of(plain).parameters()).data_ptr())[1]
+    plain.llm_engine.shutdown()
+
+
 def test_second_daemon_on_one_socket_is_refused(shared_daemon: Daemon, bf16_dir: Path) -> None:
     log = shared_daemon.log.with_name("second.log")
     second = Daemon(bf16_dir, shared_daemon.socket_dir, log)
@@ -413,6 +466,86 @@ def test_tp2_daemon_group_goes_down_together(start_daemon: Any, victim: str) -> 
         assert not os.path.exists(paths[0]) and not os.path.exists(lock_path(paths[0]))
         with pytest.raises(RuntimeError, match="stale socket"):  # SIGKILL left rank 1's
             WeightCacheClient(paths[1], 5, 30).ping()
+
+
+def child_pids(parent_pid: int) -> list[int]:
+    with open(f"/proc/{parent_pid}/task/{parent_pid}/children") as f:
+        return [int(pid) for pid in f.read().split()]
+
+
+def test_two_node_daemon_groups_serve_a_two_node_engine(
+    bf16_dir: Path, start_daemon: Any, tp2_disk_outputs: list[Any], tmp_path: Path, monkeypatch: Any
+) -> None:
+    """Two "nodes" on this host: a daemon per node (`--nnodes 2 --node-rank R`), rank r of
+    the group serving rank r's shard; a two-node engine (here plus a `minivllm worker`)
+    maps each rank's shard from its node's daemon. A rank dying on one node then takes
+    the other node's daemon down too (its barrier with the dead rank fails)."""
+    from minivllm.worker.multiproc_executor import free_port
+
+    monkeypatch.setenv("MINIVLLM_TP_SECRET", "a-test-secret-shared-by-both-nodes")
+    group = ("-tp", "2", "--nnodes", "2", "--distributed-init-method")
+    group += (f"tcp://127.0.0.1:{free_port()}",)
+    nodes = [start_daemon(*group, "--node-rank", str(r)) for r in range(2)]
+    for node in nodes:
+        node.wait_ready()
+    assert "node 1 of 2" in nodes[1].log.read_text()
+    paths = rank_sockets(nodes[0])
+    rank_pids = [WeightCacheClient(p, 5, 30).ping()["pid"] for p in paths]
+    assert [child_pids(node.proc.pid) for node in nodes] == [[rank_pids[0]], [rank_pids[1]]]
+
+    engine_init = f"tcp://127.0.0.1:{free_port()}"
+    worker_log = open(tmp_path / "node1.log", "w")  # noqa: SIM115 - closed below
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "minivllm.entrypoints.worker_cli", "-tp", "2", "--nnodes", "2"]
+        + ["--node-rank", "1", "--distributed-init-method", engine_init],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=worker_log,
+        stderr=subprocess.STDOUT,
+    )
+    extra = {"socket_dir": str(nodes[0].socket_dir), "fallback": False}  # map, or raise
+    try:
+        llm = LLM(
+            str(bf16_dir),
+            load_format="ipc_cache",
+            model_loader_extra_config=extra,
+            nnodes=2,
+            distributed_init_method=engine_init,
+            **TP2,
+        )
+        try:
+            assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), tp2_disk_outputs)
+            engine_ranks = [llm.llm_engine.executor.worker_pids[0], *child_pids(node1.pid)]
+            for engine_pid, rank_pid in zip(engine_ranks, rank_pids, strict=True):
+                assert memfd_inodes(engine_pid) == memfd_fd_inodes(rank_pid) != set()
+        finally:
+            llm.llm_engine.shutdown()
+        assert node1.wait(30) == 0, (tmp_path / "node1.log").read_text()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
+        worker_log.close()
+
+    os.kill(rank_pids[1], signal.SIGKILL)
+    assert nodes[1].proc.wait(60) == 1
+    assert nodes[0].proc.wait(60) == 1  # without a signal of its own
+    assert "lost the daemon group" in nodes[0].log.read_text()
+    wait_gone(rank_pids[0])
+    assert not os.path.exists(paths[0]) and not os.path.exists(lock_path(paths[0]))
+
+
+def test_multi_node_daemon_flags_are_checked(bf16_dir: Path, tmp_path: Path) -> None:
+    base = [sys.executable, "-m", "minivllm.weight_cache", str(bf16_dir), "--socket-dir"]
+    base += [str(tmp_path), "-tp", "2", "--nnodes", "2"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MINIVLLM_TP_SECRET", "MASTER_ADDR")}
+    env["PYTHONPATH"] = str(REPO)
+    for args, message in [
+        ([], "needs the address of node 0"),
+        (["--distributed-init-method", "tcp://127.0.0.1:1", "--node-rank", "2"], "not in 0 .. 1"),
+        (["--distributed-init-method", "tcp://127.0.0.1:1"], "MINIVLLM_TP_SECRET"),
+    ]:
+        run = subprocess.run(base + args, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode != 0 and message in run.stderr, run.stderr
 
 
 def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir: Path) -> None:

@@ -8,7 +8,18 @@ compares checkpoint, dtype, max_model_len, kernels, versions, ...), or the engin
 loads from disk and says which fields differ. It prints a READY line to stderr once
 its socket is bound, and stops (removing its socket) on SIGINT or SIGTERM. With
 `-tp N` it runs one process per rank, each serving its own socket, and READY
-names them all once every rank serves.
+names them all once every rank serves. Over several nodes, run it on each node with
+the engine's `-tp`, `--nnodes`, the node's `--node-rank` and a
+`--distributed-init-method` of its own (node 0's address, another port than the
+engine's), and the same `$MINIVLLM_TP_SECRET` everywhere:
+
+    node 0:  minivllm weight-cache-daemon MODEL -tp 4 --nnodes 2 --node-rank 0 \
+                 --distributed-init-method tcp://10.0.0.1:29600
+    node 1:  minivllm weight-cache-daemon MODEL -tp 4 --nnodes 2 --node-rank 1 \
+                 --distributed-init-method tcp://10.0.0.1:29600
+
+A rank that dies on any node takes every node's daemon down. With the engine's
+`--speculative-config` (draft_model or eagle) it holds the draft as well.
 Also: `python -m minivllm.weight_cache MODEL ...`. Details: docs/fast-start.md.
 """
 
@@ -41,6 +52,15 @@ def _add_args(parser: argparse.ArgumentParser) -> None:
         "$TMPDIR/minivllm_weight_cache_<uid>, which must be mode 0700)",
     )
     add_engine_args(parser)
+    from minivllm.entrypoints.worker_cli import add_multinode_args
+
+    add_multinode_args(parser)
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=0,
+        help="with --nnodes: this host's index, 0 .. nnodes-1 (default: %(default)s)",
+    )
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -69,14 +89,18 @@ def run(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     try:
-        return run_daemon(config, args.socket_dir)
+        return run_daemon(config, args.socket_dir, args.node_rank)
     except (ValueError, RuntimeError, OSError) as exc:
         logger.error("weight cache daemon: %s", exc)
         return 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minivllm.weight_cache", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m minivllm.weight_cache",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _add_args(parser)
     args = parser.parse_args(argv)
     setup_logging()

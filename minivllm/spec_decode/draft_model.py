@@ -40,6 +40,31 @@ class DraftState:
     fed_drafts: list[int]
 
 
+def draft_model_config(config: SpeculativeConfig, engine: EngineConfig) -> ModelConfig:
+    """The draft's model config: its checkpoint, in the target's dtype and context length."""
+    from transformers import AutoConfig
+
+    path = config.model
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=engine.model.trust_remote_code)
+    return ModelConfig(
+        model=path,
+        tokenizer=path,
+        hf_config=hf_config,
+        dtype=engine.model.dtype,
+        max_model_len=engine.scheduler.max_model_len,
+        seed=engine.model.seed,
+    )
+
+
+def draft_model_class(config: SpeculativeConfig) -> type[nn.Module] | None:
+    """The class a method builds its draft as (None: the checkpoint's architecture)."""
+    if config.method == "eagle":
+        from minivllm.models.eagle import EagleForCausalLM
+
+        return EagleForCausalLM
+    return None
+
+
 class SharedCacheDrafter:
     """A drafting network with KV cache layers of its own that sit in the target's blocks:
     position p of a request uses the same slot in both caches (draft_model and eagle)."""
@@ -54,25 +79,23 @@ class SharedCacheDrafter:
         backend: AttentionBackend,
         sampler: Sampler,
         model_cls: type[nn.Module] | None = None,
+        mapped_target: nn.Module | None = None,
     ) -> None:
-        from transformers import AutoConfig
-
-        path = config.model
-        hf_config = AutoConfig.from_pretrained(
-            path, trust_remote_code=engine.model.trust_remote_code
-        )
-        model_config = ModelConfig(
-            model=path,
-            tokenizer=path,
-            hf_config=hf_config,
-            dtype=engine.model.dtype,
-            max_model_len=engine.scheduler.max_model_len,
-            seed=engine.model.seed,
-        )
+        """`mapped_target`: the target model; where its weights came from a weight-cache
+        daemon that holds this draft too (`load_format="ipc_cache"`), the draft maps them
+        as well instead of loading its checkpoint."""
+        model_config = draft_model_config(config, engine)
         self.device = engine.device
         self.block_size = engine.cache.block_size
         self.probabilistic = config.draft_sample_method == "probabilistic"
-        self.model: nn.Module = load_model(model_config, self.device, kernels, model_cls=model_cls)
+        model = None
+        if mapped_target is not None and engine.load_format == "ipc_cache":
+            from minivllm.weight_cache.loader import map_draft_model
+
+            model = map_draft_model(mapped_target, engine, model_config, kernels, model_cls)
+        if model is None:
+            model = load_model(model_config, self.device, kernels, model_cls=model_cls)
+        self.model: nn.Module = model
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache_specs: list[KVCacheSpec] = [
             layer.get_kv_cache_spec(self.block_size, engine.model.dtype)

@@ -67,7 +67,7 @@ class EagleProposer(SharedCacheDrafter):
     def __init__(self, *args, target, **kwargs) -> None:
         """`target`: the target model, whose `embed_input_ids` and `compute_logits` the
         head shares."""
-        super().__init__(*args, model_cls=EagleForCausalLM, **kwargs)
+        super().__init__(*args, model_cls=EagleForCausalLM, mapped_target=target, **kwargs)
         hidden = self.model.config.hidden_size
         if hidden != target.config.hidden_size:
             raise ValueError(

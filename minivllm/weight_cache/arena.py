@@ -72,13 +72,21 @@ def named_tensors(model: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     return params + buffers
 
 
-class WeightArena:
-    """The daemon side: a sealed memfd holding a model's tensors, and their manifest."""
+# names of a speculative draft's tensors in the manifest: "draft:" + the draft model's name
+# (no module path has a colon, so the two models' names cannot meet)
+DRAFT_PREFIX = "draft:"
 
-    def __init__(self, model: nn.Module) -> None:
+
+class WeightArena:
+    """The daemon side: a sealed memfd holding a model's tensors (and its speculative
+    draft's, under `DRAFT_PREFIX`), and their manifest."""
+
+    def __init__(self, model: nn.Module, draft: nn.Module | None = None) -> None:
         self.entries: list[TensorEntry] = []
         self.aliases: dict[str, str] = {}
         tensors = named_tensors(model)
+        if draft is not None:
+            tensors += [(DRAFT_PREFIX + n, k, t) for n, k, t in named_tensors(draft)]
         canonical: dict[int, str] = {}  # id(tensor) -> its first name
         storages: dict[int, tuple[torch.UntypedStorage, int]] = {}  # data_ptr -> offset
         size = 0

@@ -89,8 +89,15 @@ class WeightCacheDaemon:
         self.key = compute_key(config, kernels, tp_rank=self.tp_rank)
         # no prepacked copies: they are oneDNN-opaque, so each engine builds its own
         model = load_model(config.model, config.device, kernels, available_bytes=None)
-        self.arena = WeightArena(model)
-        del model
+        draft = None
+        spec = config.speculative_config
+        if spec is not None and spec.model:  # the draft an engine with this config runs
+            from minivllm.spec_decode.draft_model import draft_model_class, draft_model_config
+
+            draft_config = draft_model_config(spec, config)
+            draft = load_model(draft_config, config.device, kernels, None, draft_model_class(spec))
+        self.arena = WeightArena(model, draft)
+        del model, draft
         logger.info(
             "weight cache: %d tensors (%d aliases), %.2f GiB, loaded in %.1f s",
             len(self.arena.entries),
@@ -201,12 +208,15 @@ def _stop(signum: int, frame: object) -> None:
     raise StopDaemon(signal.Signals(signum).name)
 
 
-def run_daemon(config: EngineConfig, socket_dir: str | None = None) -> int:
-    """Load, bind, print the READY banner to fd 2, serve until SIGINT/SIGTERM; exit status."""
+def run_daemon(config: EngineConfig, socket_dir: str | None = None, node_rank: int = 0) -> int:
+    """Load, bind, print the READY banner to fd 2, serve until SIGINT/SIGTERM; exit status.
+    With tensor parallelism, this node's ranks (`node_rank` of `nnodes`) as a group."""
     if config.parallel.tensor_parallel_size > 1:
         from minivllm.weight_cache.daemon_group import run_daemon_group
 
-        return run_daemon_group(config, socket_dir)
+        return run_daemon_group(config, socket_dir, node_rank)
+    if node_rank != 0:
+        raise ValueError("--node-rank needs tensor parallelism over several nodes (--nnodes)")
     install_stop_handlers()
     daemon = None
     try:

@@ -10,6 +10,14 @@ The parent prints READY once every rank serves. A rank that fails or dies takes 
 group down: the others are stopped and the parent exits 1. SIGINT/SIGTERM stop every
 rank (each removes its socket and lock) and exit 0; if the parent itself is killed,
 each rank sees its socket pair close and stops the same way.
+
+Over several nodes (`--nnodes N --node-rank R --distributed-init-method tcp://node0:port`,
+the same `$MINIVLLM_TP_SECRET` on every node, as for `minivllm worker`) each node runs
+this supervisor for its own ranks (R*k .. R*k+k-1, k = tp / nnodes), and the ranks of all
+nodes join one group. No parent sees the other nodes' ranks, so once serving every rank
+keeps meeting the others in a gloo barrier every few seconds: a rank that dies anywhere
+closes its connections, the barrier fails at once on every other rank, and each node's
+group goes down as if one of its own ranks had died.
 """
 
 from __future__ import annotations
@@ -52,29 +60,36 @@ class _Rank:
         return f"exited with status {code}"
 
 
-def run_daemon_group(config: EngineConfig, socket_dir: str | None) -> int:
-    """Start a rank process per TP rank, print READY when all serve, supervise; exit status."""
+def run_daemon_group(config: EngineConfig, socket_dir: str | None, node_rank: int = 0) -> int:
+    """Start a rank process per TP rank of this node, print READY when all serve,
+    supervise; exit status."""
     import torch
 
     from minivllm.worker.multiproc_executor import free_port
     from minivllm.worker.worker import tp_secret
 
     parallel = config.parallel
-    if parallel.nnodes != 1:
-        raise ValueError("a tensor-parallel weight cache daemon runs on one node (nnodes=1)")
-    size = parallel.tensor_parallel_size
-    init_method = f"tcp://127.0.0.1:{free_port()}"
-    threads = max(1, torch.get_num_threads() // size)
-    secret = tp_secret(1)
+    nnodes, size, local = parallel.nnodes, parallel.tensor_parallel_size, parallel.ranks_per_node
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"--node-rank {node_rank} is not in 0 .. {nnodes - 1} (nnodes={nnodes})")
+    if nnodes == 1:
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+    else:
+        init_method = parallel.distributed_init_method  # node 0's; checked by ParallelConfig
+    secret = tp_secret(nnodes)  # several nodes: $MINIVLLM_TP_SECRET, or a clear error
+    threads = max(1, torch.get_num_threads() // local)
     install_stop_handlers()
     ranks: list[_Rank] = []
     try:
-        for r in range(size):
-            spec = RankSpec(r, size, init_method, threads, logger.getEffectiveLevel(), secret)
+        for r in range(node_rank * local, (node_rank + 1) * local):
+            spec = RankSpec(
+                r, size, init_method, threads, logger.getEffectiveLevel(), secret, nnodes > 1
+            )
             ranks.append(_start(spec, config, socket_dir))
         paths = _wait_all_ready(ranks)
         banner = f"===== Weight cache daemon READY: serving {', '.join(paths)} ====="
-        os.write(2, f"{banner} (tensor_parallel_size={size})\n".encode())
+        where = f", node {node_rank} of {nnodes}" if nnodes > 1 else ""
+        os.write(2, f"{banner} (tensor_parallel_size={size}{where})\n".encode())
         ready = wait([r.conn for r in ranks])  # a rank says nothing more unless it fails
         raise _failure(ranks, *_last_word(next(r for r in ranks if r.conn in ready)))
     except StopDaemon as e:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -26,10 +29,14 @@ logger = logging.getLogger("minivllm")
 class RankSpec:
     rank: int
     world_size: int
-    init_method: str  # tcp://127.0.0.1:port: one node only
+    init_method: str  # tcp://host:port: loopback on one node, node 0's address over several
     num_threads: int
     log_level: int = logging.INFO
     secret: bytes = field(default=b"", repr=False)  # seals the group's control plane
+    watch_group: bool = False  # several nodes: meet the other ranks in a barrier while serving
+
+
+WATCH_INTERVAL_S = 2.0
 
 
 def run_rank(conn: Connection) -> int:
@@ -51,6 +58,8 @@ def run_rank(conn: Connection) -> int:
         daemon.load()
         daemon.bind()
         conn.send(("ready", daemon.path))
+        if spec.watch_group:
+            threading.Thread(target=_watch_group, args=(spec, conn), daemon=True).start()
         daemon.serve_forever(parent=conn)
     except StopDaemon as e:
         logger.info("weight cache daemon rank %d stopping (%s)", spec.rank, e)
@@ -65,6 +74,26 @@ def run_rank(conn: Connection) -> int:
         if daemon is not None:
             daemon.close()
     return 0
+
+
+def _watch_group(spec: RankSpec, conn: Connection) -> None:
+    """Meet every rank of every node in a barrier, again and again; when it fails (a rank
+    of another node died or stopped: gloo sees its connections close), tell the parent,
+    which takes this node's group down, and stop this rank (SIGTERM: its socket and lock
+    are removed as on any stop)."""
+    import torch.distributed as dist
+
+    try:
+        while True:
+            dist.barrier()
+            time.sleep(WATCH_INTERVAL_S)
+    except Exception as e:  # noqa: BLE001 - whatever gloo raises, the group is broken
+        why = f"lost the daemon group (another node's rank stopped or died): {e}"
+        try:
+            conn.send(("error", why))
+        except OSError:
+            logger.error("weight cache daemon rank %d %s", spec.rank, why)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _setup_logging(spec: RankSpec) -> None:

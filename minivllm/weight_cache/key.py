@@ -39,6 +39,9 @@ class WeightCacheKey:
     kernel_isa: str
     minivllm_version: str
     torch_version: str
+    # the speculative draft the daemon also holds: "none", or a hash of the method and the
+    # draft's checkpoint fingerprint, config.json and context length
+    draft: str = "none"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -104,6 +107,23 @@ def _quantization(model: Any) -> tuple[str, str]:
     return "+".join(methods), hashlib.sha256(text.encode()).hexdigest()
 
 
+def _draft(config: EngineConfig) -> str:
+    from minivllm.loader.safetensors_loader import checkpoint_files
+
+    spec = config.speculative_config
+    if spec is None or not spec.model:
+        return "none"
+    parts = {
+        "method": spec.method,
+        "checkpoint": checkpoint_fingerprint(checkpoint_files(spec.model)),
+        "config": _file_hash(os.path.join(spec.model, "config.json")),
+        "max_model_len": config.scheduler.max_model_len,
+    }
+    return (
+        f"{spec.method}:" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+    )
+
+
 def compute_key(config: EngineConfig, kernels: Kernels, tp_rank: int) -> WeightCacheKey:
     """This engine's key; computed before loading (post-load steps may change the config)."""
     import torch
@@ -127,4 +147,5 @@ def compute_key(config: EngineConfig, kernels: Kernels, tp_rank: int) -> WeightC
         kernel_isa=kernels.name,
         minivllm_version=__version__,
         torch_version=torch.__version__,
+        draft=_draft(config),
     )

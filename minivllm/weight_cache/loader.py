@@ -16,6 +16,7 @@ daemon rank; the ranks then agree: if any rank fell back to disk, all do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -25,7 +26,13 @@ import torch
 from torch import nn
 
 from minivllm.distributed.parallel_state import all_reduce_min, get_tp_rank
-from minivllm.weight_cache.arena import TensorEntry, entry_tensor, map_segments, named_tensors
+from minivllm.weight_cache.arena import (
+    DRAFT_PREFIX,
+    TensorEntry,
+    entry_tensor,
+    map_segments,
+    named_tensors,
+)
 from minivllm.weight_cache.client import WeightCacheClient
 from minivllm.weight_cache.client_config import WeightCacheClientConfig
 from minivllm.weight_cache.key import compute_key
@@ -33,7 +40,7 @@ from minivllm.weight_cache.socket_dir import ensure_socket_dir, socket_path
 from minivllm.weight_cache.watchdog import DaemonWatch
 
 if TYPE_CHECKING:
-    from minivllm.config import EngineConfig
+    from minivllm.config import EngineConfig, ModelConfig
     from minivllm.kernels.registry import Kernels
 
 logger = logging.getLogger("minivllm")
@@ -50,7 +57,7 @@ def load_from_weight_cache(
     from minivllm.loader.model_loader import load_model
 
     options: WeightCacheClientConfig = config.weight_cache_config or WeightCacheClientConfig()
-    model = _empty_model(config)
+    model = _empty_model(config.model, config.device)
     check_supported(config, options, model)
     tp_rank = get_tp_rank()
     path = options.socket_path or socket_path(
@@ -107,17 +114,20 @@ def check_supported(
         )
 
 
-def _empty_model(config: EngineConfig) -> nn.Module:
+def _empty_model(
+    config: ModelConfig, device: str, model_cls: type[nn.Module] | None = None
+) -> nn.Module:
     """The model with uninitialised (`torch.empty`) parameters whose pages are never touched,
     so they cost no memory before the mapped tensors replace them. Not the meta device: its
     first use in a process imports torch's meta decompositions, 1.8 s measured here."""
     from minivllm.loader.model_loader import default_dtype, quantize_layers
     from minivllm.models.registry import resolve_model_class
 
-    model_cls = resolve_model_class(getattr(config.model.hf_config, "architectures", None))
-    with torch.device(config.device), default_dtype(config.model.dtype):
-        model = model_cls(config.model.hf_config, config.model.max_model_len)
-        quantize_layers(model, config.model)
+    if model_cls is None:
+        model_cls = resolve_model_class(getattr(config.hf_config, "architectures", None))
+    with torch.device(device), default_dtype(config.dtype):
+        model = model_cls(config.hf_config, config.max_model_len)
+        quantize_layers(model, config)
         # quantized layers take the shapes of their processed tensors, which are mapped
         for module in model.modules():
             prepare = getattr(getattr(module, "quant_method", None), "prepare_for_mapping", None)
@@ -156,6 +166,8 @@ def _map_model(
     # over 64 rows then run stock F.linear on the plain weights (~10% slower GEMMs).
     budget = available_bytes if copy else None
     process_weights_after_loading(model, kernels, budget, mapped=True)
+    if any(str(e.get("name", "")).startswith(DRAFT_PREFIX) for e in reply.get("entries") or []):
+        model.weight_cache_arena = (reply, segments)  # the draft's part, for map_draft_model
     if not copy:
         DaemonWatch(int(reply["pid"]), int(reply["start_time"]), client.path).attach(model)
     logger.info(
@@ -167,12 +179,59 @@ def _map_model(
     return model.eval()
 
 
-def install_tensors(model: nn.Module, reply: dict[str, Any], segments: list[torch.Tensor]) -> int:
-    """Replace every parameter and buffer by its mapped tensor; names must match exactly."""
+def map_draft_model(
+    target: nn.Module,
+    engine: EngineConfig,
+    config: ModelConfig,
+    kernels: Kernels,
+    model_cls: type[nn.Module] | None,
+) -> nn.Module | None:
+    """The speculative draft, its tensors mapped from the arena `target` was mapped from;
+    None where the target was not mapped (it loaded from disk) or its daemon holds no
+    draft: the draft then loads from disk too. (The cache key's `draft` field already
+    matched: a daemon holding another draft made the target fall back.)"""
+    from minivllm.loader.model_loader import process_weights_after_loading
+
+    arena = getattr(target, "weight_cache_arena", None)
+    if arena is None:
+        return None
+    options: WeightCacheClientConfig = engine.weight_cache_config or WeightCacheClientConfig()
+    start = time.perf_counter()
+    try:
+        model = _empty_model(config, engine.device, model_cls)
+        num = install_tensors(model, *arena, draft=True)
+        process_weights_after_loading(model, kernels, None, mapped=True)
+    except Exception as e:
+        if not options.fallback:
+            raise
+        logger.warning("Weight cache unusable for the draft (%s); loading it from disk", e)
+        return None
+    logger.info(
+        "Mapped %d draft model tensors from the weight cache daemon in %.3f s",
+        num,
+        time.perf_counter() - start,
+    )
+    return model.eval()
+
+
+def install_tensors(
+    model: nn.Module, reply: dict[str, Any], segments: list[torch.Tensor], draft: bool = False
+) -> int:
+    """Replace every parameter and buffer by its mapped tensor; names must match exactly.
+    `draft`: the manifest's speculative-draft part (names under `DRAFT_PREFIX`), else the rest."""
     entries = [TensorEntry.from_json(e) for e in reply.get("entries") or []]
     aliases = reply.get("aliases") or {}
     if not isinstance(aliases, dict):
         raise ValueError("manifest aliases must be an object")
+
+    def strip(name: str) -> str:
+        return name.removeprefix(DRAFT_PREFIX) if draft else name
+
+    def ours(name: str) -> bool:
+        return name.startswith(DRAFT_PREFIX) == draft
+
+    entries = [dataclasses.replace(e, name=strip(e.name)) for e in entries if ours(e.name)]
+    aliases = {strip(k): strip(v) for k, v in aliases.items() if ours(str(k)) and ours(str(v))}
     modules = dict(model.named_modules(remove_duplicate=False))
     expected = {name for name, _, _ in named_tensors(model)}
     given = {e.name for e in entries} | set(aliases)

@@ -124,7 +124,7 @@ class ModelRunner:
             if spec.method == "eagle":
                 proposer = EagleProposer(*args, target=self.model)
             else:
-                proposer = DraftModelProposer(*args)
+                proposer = DraftModelProposer(*args, mapped_target=self.model)
             # the draft's layers share the target's blocks: one pool sizes and holds both
             served = self.attn_backend.spec_types
             for draft_spec in proposer.kv_cache_specs:
