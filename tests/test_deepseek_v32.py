@@ -65,18 +65,30 @@ YARN = dict(
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20)
 
 
+# GLM-MoE-DSA: the same dimensions, interleaved indexer RoPE, and two layers that reuse
+# the selection of the full layer before them
+GLM = dict(num_hidden_layers=4, indexer_types=["full", "shared", "full", "shared"])
+
+
 def build_dsa_checkpoint(
-    out: Path, tokenizer_dir: Path, seed: int = 0, round_to_bf16: bool = False, **overrides
+    out: Path,
+    tokenizer_dir: Path,
+    seed: int = 0,
+    round_to_bf16: bool = False,
+    glm: bool = False,
+    **overrides,
 ) -> Path:
-    """A random DeepseekV32ForCausalLM; the routers' load-balancing biases are random too
-    (transformers initialises them to zero, which would leave that path untested).
-    `round_to_bf16`: every weight a bf16 value (stored in fp32), as a bf16 checkpoint's are
-    in an fp32 engine, where the AVX2 family holds such linears as bf16 panels."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV32Config
+    """A random DeepseekV32ForCausalLM (`glm`: GlmMoeDsaForCausalLM); the routers'
+    load-balancing biases are random too (transformers initialises them to zero, which
+    would leave that path untested). `round_to_bf16`: every weight a bf16 value (stored
+    in fp32), as a bf16 checkpoint's are in an fp32 engine, where the AVX2 family holds
+    such linears as bf16 panels."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, DeepseekV32Config, GlmMoeDsaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = DeepseekV32Config(
+    config_class = GlmMoeDsaConfig if glm else DeepseekV32Config
+    config = config_class(
         bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, **{**DSA, **overrides}
     )
     torch.manual_seed(seed)
@@ -85,6 +97,11 @@ def build_dsa_checkpoint(
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.1)
+        # transformers zeroes the pad token's embedding row; the pad is the EOS here, which
+        # greedy decoding with ignore_eos emits, and a zero hidden state makes layer 0's
+        # index query zero: every key ties at score 0 and the oracle's selection is arbitrary
+        emb = model.get_input_embeddings().weight
+        emb[eos] = torch.randn_like(emb[eos]) * config.initializer_range
         if round_to_bf16:
             for param in model.parameters():
                 param.copy_(param.bfloat16().float())
@@ -132,6 +149,7 @@ GREEDY = SamplingParams(
         ("dense-yarn", dict(first_k_dense_replace=3, **YARN)),
         # bf16-valued weights: the fp32 engine's linears, kv_b_proj included, on bf16 panels
         ("moe-bf16-valued", dict(round_to_bf16=True)),
+        ("glm-moe-dsa", dict(glm=True, **GLM)),
     ],
 )
 def test_logprobs_and_greedy_match_transformers(dsa_checkpoint, name, overrides) -> None:
@@ -163,10 +181,12 @@ def test_selection_matters(dsa_checkpoint, tokenizer_dir, tmp_path) -> None:
     assert max(abs(a - b) for a, b in zip(lps[0][16:], lps[1][16:])) > 1e-3
 
 
-def test_prefix_caching_chunked_prefill_and_preemption(dsa_checkpoint) -> None:
+@pytest.mark.parametrize("name", ["moe", "glm-moe-dsa"])
+def test_prefix_caching_chunked_prefill_and_preemption(dsa_checkpoint, name) -> None:
     """Shared prefixes (cache hits), 24-token prefill chunks and a KV budget too small for
     all requests at once (preemption and recompute) change no greedy token."""
-    path = dsa_checkpoint("moe")
+    glm = name.startswith("glm")
+    path = dsa_checkpoint(name, **(dict(glm=True, **GLM) if glm else {}))
     base = _prompts([70], seed=1)[0]
     prompts = [base + p for p in _prompts([3, 20, 35, 8], seed=2)] + _prompts([50, 64], seed=3)
     want = hf_greedy(path, prompts, 16)
@@ -176,9 +196,9 @@ def test_prefix_caching_chunked_prefill_and_preemption(dsa_checkpoint) -> None:
         dtype="float32",
         max_model_len=256,
         block_size=16,
-        # 16 blocks of 16 tokens (3 layers x [latent 40 | index key 16] floats a token):
-        # under two full requests at a time
-        kv_cache_memory_bytes=16 * 3 * 16 * (40 + 16) * 4,
+        # 16 blocks of 16 tokens (3 layers x [latent 40 | index key 16] floats a token;
+        # GLM: 4 layers, the 2 shared ones without index keys): under two full requests
+        kv_cache_memory_bytes=16 * 16 * (4 * 40 + 2 * 16 if glm else 3 * (40 + 16)) * 4,
         max_num_batched_tokens=24,
         enable_prefix_caching=True,
     )
@@ -295,10 +315,11 @@ def test_grouped_routing_and_experts_against_transformers() -> None:
     torch.testing.assert_close(routed, want, atol=1e-6, rtol=1e-5)
 
 
-def test_tensor_parallel_2_matches_transformers(dsa_checkpoint) -> None:
+@pytest.mark.parametrize("name", ["moe", "glm-moe-dsa"])
+def test_tensor_parallel_2_matches_transformers(dsa_checkpoint, name) -> None:
     """Heads, dense MLPs and every expert's intermediate dimension split over two ranks;
     latent cache and indexer replicated (each rank selects the same tokens)."""
-    path = dsa_checkpoint("moe")
+    path = dsa_checkpoint(name, **(dict(glm=True, **GLM) if name.startswith("glm") else {}))
     prompts = _prompts([30, 70], seed=5)
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     try:

@@ -101,6 +101,30 @@ def test_outputs_identical_with_host_tier(dsa_long, resident, tmp_path, variant)
         assert hs.hits < hs.misses  # 16 rows for a 16-token selection: mostly refills
 
 
+def test_shared_index_layers_identical_with_host_tier(tmp_path_factory, tokenizer_dir) -> None:
+    """GLM-MoE-DSA: two of four layers keep no indexer keys (they reuse the layer before
+    them's selection), so the host pool's layers have different widths; spilled pages
+    still read back to the resident run's tokens and logprobs."""
+    from tests.test_deepseek_v32 import GLM
+
+    path = build_dsa_checkpoint(
+        tmp_path_factory.mktemp("glm-long"),
+        tokenizer_dir,
+        glm=True,
+        max_position_embeddings=4096,
+        **GLM,
+    )
+    block_bytes = BLOCK * (4 * 40 + 2 * 16) * 4
+    prompts = _prompts([300, 520, 200, 700], seed=1)
+    _, want = _run(path, prompts, kv_cache_memory_bytes=400 * block_bytes)
+    llm, got = _run(
+        path, prompts, kv_cache_memory_bytes=24 * block_bytes, kv_transfer_config=connector()
+    )
+    _assert_identical(got, want)
+    hs = llm.llm_engine.stats().hisparse
+    assert hs.spills > 0 and hs.misses > 0 and hs.hits + hs.misses == hs.lookups
+
+
 def test_layers_packed_in_one_allocation_bind_their_own_rows(
     dsa_long, resident, monkeypatch
 ) -> None:

@@ -1,12 +1,13 @@
 """The host tier: one allocation holding, for every MLA layer, host blocks of latent rows
 and indexer-key rows.
 
-Layout (one layer after another; `layer_stride` bytes each):
+Layout (one layer after another):
 
-    layer 0: latent [num_blocks * block_size, latent_dim] | index [num_blocks * block_size, index_dim]
+    layer 0: latent [num_blocks * block_size, latent_dim] | index [num_blocks * block_size, index_dims[0]]
     layer 1: ...
 
-Each layer's views start at `base + layer * layer_stride`. vLLM #57019 shipped garbage
+Each layer's views start at its own offset (`layer_base`: the widths may differ, a layer
+that shares another's selection keeps no indexer keys). vLLM #57019 shipped garbage
 tokens because packed layers were all bound at the base offset; `tests/test_hisparse.py`
 runs a multi-layer model with host-backed requests to catch exactly that.
 
@@ -28,15 +29,21 @@ class HostKVPool:
         num_blocks: int,
         block_size: int,
         latent_dim: int,
-        index_dim: int,
+        index_dims: list[int],
         dtype: torch.dtype,
         path: str | None = None,
     ) -> None:
+        """`index_dims`: each layer's indexer-key width (0 for a layer that shares
+        another's selection and keeps no keys)."""
+        if len(index_dims) != num_layers:
+            raise ValueError(f"{len(index_dims)} index widths for {num_layers} layers")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.latent_dim, self.index_dim = latent_dim, index_dim
+        self.latent_dim, self.index_dims = latent_dim, list(index_dims)
         rows = num_blocks * block_size
-        self.layer_elems = rows * (latent_dim + index_dim)
-        numel = num_layers * self.layer_elems
+        self.layer_base = [0]  # each layer's first element
+        for dim in index_dims:
+            self.layer_base.append(self.layer_base[-1] + rows * (latent_dim + dim))
+        numel = self.layer_base[-1]
         self.path = path
         if path is None:
             self.storage = torch.empty(numel, dtype=dtype)
@@ -57,15 +64,15 @@ class HostKVPool:
 
     def latent(self, layer: int) -> torch.Tensor:
         """Layer `layer`'s latent rows, [num_blocks * block_size, latent_dim]."""
-        base = layer * self.layer_elems
+        base = self.layer_base[layer]
         rows = self.num_blocks * self.block_size
         return self.storage[base : base + rows * self.latent_dim].view(rows, self.latent_dim)
 
     def index(self, layer: int) -> torch.Tensor:
-        """Layer `layer`'s indexer-key rows, [num_blocks * block_size, index_dim]."""
-        rows = self.num_blocks * self.block_size
-        base = layer * self.layer_elems + rows * self.latent_dim
-        return self.storage[base : base + rows * self.index_dim].view(rows, self.index_dim)
+        """Layer `layer`'s indexer-key rows, [num_blocks * block_size, its index width]."""
+        rows, dim = self.num_blocks * self.block_size, self.index_dims[layer]
+        base = self.layer_base[layer] + rows * self.latent_dim
+        return self.storage[base : base + rows * dim].view(rows, dim)
 
     def unlink(self) -> None:
         """Remove the backing file's name (mappings stay valid until dropped)."""

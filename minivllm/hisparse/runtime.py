@@ -86,7 +86,7 @@ class HiSparseRuntime:
             num_host_blocks,
             block_size,
             spec.latent_dim,
-            spec.index_head_dim,
+            [layer.get_kv_cache_spec(block_size, dtype).index_head_dim for layer in layers],
             dtype,
             path,
         )
@@ -122,7 +122,7 @@ class HiSparseRuntime:
             for i, layer in enumerate(self.layers):
                 latent, index = layer.kv_cache
                 self.pool.latent(i).index_copy_(0, dst, latent.view(-1, latent.shape[-1])[src])
-                self.pool.index(i).index_copy_(0, dst, index.view(-1, index.shape[-1])[src])
+                self.pool.index(i).index_copy_(0, dst, index.flatten(0, 1)[src])
         for rid, updates in meta.page_updates.items():
             state = requests.get(rid)  # the runner's per-request state (its block ids)
             if state is None:

@@ -62,9 +62,11 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 class DeepseekV32Indexer(nn.Module):
     """The lightning indexer's projections: per-token index queries, one key, head weights."""
 
-    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: Any, rotary: RotaryEmbedding, interleaved: bool = False) -> None:
         super().__init__()
         self.n_heads, self.head_dim = config.index_n_heads, config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.interleaved = interleaved  # GLM-MoE-DSA's indexer rotates interleaved pairs
         self.wq_b = ReplicatedLinear(config.q_lora_rank, self.n_heads * self.head_dim, False)
         self.wk = ReplicatedLinear(config.hidden_size, self.head_dim, False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
@@ -74,17 +76,42 @@ class DeepseekV32Indexer(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, q_resid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        # the indexer rotates half-split (NOT interleaved) pairs of its first qk_rope dims
-        q = self.rotary_emb.rotate(
-            positions, self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
-        )
-        k = self.rotary_emb.rotate(positions, self.k_norm(self.wk(hidden)).unsqueeze(1))
+        # DeepSeek-V3.2's indexer rotates half-split (NOT interleaved) pairs of its first
+        # qk_rope dims; GLM-MoE-DSA's interleaved ones, which deinterleave() turns into
+        # the half-split layout (queries and keys alike, so the scores are unchanged)
+        q = self.wq_b(q_resid).view(-1, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden)).unsqueeze(1)
+        if self.interleaved:
+            r = self.rope_dim
+            q = torch.cat((deinterleave(q[..., :r]), q[..., r:]), dim=-1)
+            k = torch.cat((deinterleave(k[..., :r]), k[..., r:]), dim=-1)
+        q = self.rotary_emb.rotate(positions, q)
+        k = self.rotary_emb.rotate(positions, k)
         weights = self.weights_proj(hidden) * self.n_heads**-0.5
         return q, k.squeeze(1), weights
 
 
+def indexer_types(config: Any) -> list[str]:
+    """Per layer "full" (it runs its indexer) or "shared" (GLM-MoE-DSA: it reuses the
+    selection of the last full layer before it); DeepSeek-V3.2's layers are all full."""
+    types = list(getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers)
+    if len(types) != config.num_hidden_layers or set(types) - {"full", "shared"}:
+        raise ValueError(f"indexer_types must give 'full' or 'shared' per layer, got {types}")
+    if types and types[0] != "full":
+        raise ValueError("the first layer must run its own indexer (indexer_types[0] 'full')")
+    return types
+
+
 class DeepseekV32Attention(nn.Module):
-    def __init__(self, config: Any, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        config: Any,
+        rotary: RotaryEmbedding,
+        shared_index: bool = False,
+        interleaved_index: bool = False,
+    ) -> None:
+        """`shared_index`: no indexer of its own, the previous full layer's selection;
+        `interleaved_index`: the indexer's RoPE pairs are interleaved (GLM-MoE-DSA)."""
         super().__init__()
         if not getattr(config, "q_lora_rank", None):
             raise ValueError("DeepSeek sparse attention needs q_lora_rank (its indexer reads q_a)")
@@ -111,7 +138,9 @@ class DeepseekV32Attention(nn.Module):
             config.num_attention_heads * config.v_head_dim, config.hidden_size, bias
         )
         self.rotary_emb = rotary
-        self.indexer = DeepseekV32Indexer(config, rotary)
+        self.indexer = (
+            None if shared_index else DeepseekV32Indexer(config, rotary, interleaved_index)
+        )
         self.attn = MLAAttention(
             self.num_heads,
             self.qk_nope,
@@ -121,7 +150,8 @@ class DeepseekV32Attention(nn.Module):
             yarn_softmax_scale(config),
             self.kv_b_proj,
             config.index_topk,
-            config.index_head_dim,
+            0 if shared_index else config.index_head_dim,
+            shared_index,
         )
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -134,6 +164,8 @@ class DeepseekV32Attention(nn.Module):
         q_pe = self.rotary_emb.rotate(positions, deinterleave(q[..., self.qk_nope :]))
         k_pe = self.rotary_emb.rotate(positions, deinterleave(k_pe).unsqueeze(1)).squeeze(1)
         q = torch.cat((q[..., : self.qk_nope], q_pe), dim=-1)
+        if self.indexer is None:
+            return self.o_proj(self.attn(q, c_kv, k_pe))
         index_q, index_k, index_w = self.indexer(positions, hidden, q_resid)
         return self.o_proj(self.attn(q, c_kv, k_pe, index_q, index_k, index_w))
 
@@ -184,16 +216,25 @@ def mlp_layer_types(config: Any) -> list[str]:
     return list(types)
 
 
-def make_decoder_layer(config: Any, rotary: RotaryEmbedding, mlp_type: str) -> LlamaDecoderLayer:
+def make_decoder_layer(
+    config: Any,
+    rotary: RotaryEmbedding,
+    mlp_type: str,
+    index_type: str = "full",
+    interleaved_index: bool = False,
+) -> LlamaDecoderLayer:
     if mlp_type == "sparse":
         mlp: nn.Module = DeepseekMoE(config)
     else:
         mlp = DeepseekMLP(config.hidden_size, config.intermediate_size)
-    return LlamaDecoderLayer(config, DeepseekV32Attention(config, rotary), mlp)
+    attn = DeepseekV32Attention(config, rotary, index_type == "shared", interleaved_index)
+    return LlamaDecoderLayer(config, attn, mlp)
 
 
 class DeepseekV32Model(LlamaModel):
     """Llama's stack and forward (embed, pre-norm layers, final norm) over DeepSeek layers."""
+
+    interleaved_index = False
 
     def __init__(self, config: Any, max_model_len: int) -> None:
         nn.Module.__init__(self)  # LlamaModel's own __init__ builds Llama layers
@@ -205,18 +246,20 @@ class DeepseekV32Model(LlamaModel):
             max_model_len,
         )
         self.layers = nn.ModuleList(
-            make_decoder_layer(config, rotary, kind) for kind in mlp_layer_types(config)
+            make_decoder_layer(config, rotary, kind, index, self.interleaved_index)
+            for kind, index in zip(mlp_layer_types(config), indexer_types(config), strict=True)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class DeepseekV32ForCausalLM(nn.Module):
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    model_class: type[DeepseekV32Model] = DeepseekV32Model
 
     def __init__(self, config: Any, max_model_len: int) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV32Model(config, max_model_len)
+        self.model = self.model_class(config, max_model_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -269,3 +312,16 @@ class DeepseekV32ForCausalLM(nn.Module):
                 f"the checkpoint is missing weights: {owner}.{expert}.{proj}.weight"
                 + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
             )
+
+
+class GlmMoeDsaModel(DeepseekV32Model):
+    interleaved_index = True
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    """GLM-MoE-DSA (GLM-5): DeepSeek-V3.2's layers, with an indexer that rotates
+    interleaved RoPE pairs, and layers marked "shared" in `indexer_types` that run no
+    indexer and attend over the selection of the last full layer before them (in the
+    same step: the backend keeps it), so they keep no indexer keys in their cache."""
+
+    model_class = GlmMoeDsaModel

@@ -8,6 +8,7 @@ from torch import nn
 
 _MODELS = {
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
     "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),

@@ -35,7 +35,10 @@ class MLAAttention(AttentionLayerBase):
         kv_b_proj: nn.Module,
         index_topk: int = 0,
         index_head_dim: int = 0,
+        shared_index: bool = False,
     ) -> None:
+        """`shared_index` (GLM-MoE-DSA's "shared" layers): sparse, but with no indexer
+        of its own; the backend reuses the selection of the last full layer this step."""
         super().__init__()
         self.num_heads = num_heads
         self.qk_nope_head_dim, self.qk_rope_head_dim = qk_nope_head_dim, qk_rope_head_dim
@@ -43,6 +46,7 @@ class MLAAttention(AttentionLayerBase):
         self.scale = scale
         self.index_topk, self.index_head_dim = index_topk, index_head_dim
         self.index_scale = index_head_dim**-0.5 if index_head_dim else 0.0
+        self.shared_index = shared_index
         object.__setattr__(self, "kv_b_proj", kv_b_proj)  # not a submodule: see above
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.layer_idx = 0  # among the model's MLA layers (HiSparse's host pool views)

@@ -59,6 +59,9 @@ class SparseMLABackend(AttentionBackend):
 
     def __init__(self, decode_query_len: int = 1, kernels=None) -> None:
         super().__init__(decode_query_len)
+        # the last full layer's selections this step, for layers that share them
+        # (GLM-MoE-DSA): "decode", or a prefill request's index -> [N, k] token indices
+        self._selections: dict[object, torch.Tensor] = {}
         # compiled ops (bf16 CPU) where this engine has them, else the references
         op = kernels.op if kernels is not None else (lambda name: None)
         self.topk_op = op("dsa_indexer_topk")
@@ -155,7 +158,16 @@ class SparseMLABackend(AttentionBackend):
             return None, None
         return self.hisparse.host_latent(layer.layer_idx), self.hisparse.host_index(layer.layer_idx)
 
-    def _select(
+    def _select(self, layer, key: object, *args) -> torch.Tensor:
+        """`_choose`'s selection, kept for the layers after this one that share it."""
+        if layer.shared_index:
+            if key not in self._selections:
+                raise RuntimeError("a shared-index MLA layer ran before any full indexer layer")
+            return self._selections[key]
+        self._selections[key] = indices = self._choose(layer, *args)
+        return indices
+
+    def _choose(
         self,
         layer,
         index_q: torch.Tensor | None,
@@ -181,11 +193,13 @@ class SparseMLABackend(AttentionBackend):
     def _decode(self, layer, q, index_q, index_w, kv_cache, meta, out) -> None:
         """Every decode row of the step at once, in the absorbed form over its selection."""
         latent_rows = kv_cache[0].view(-1, kv_cache[0].shape[-1])
-        index_rows = kv_cache[1].view(-1, kv_cache[1].shape[-1])
+        index_rows = kv_cache[1].flatten(0, 1)
         rows_q = meta.decode_token_rows
         sparse = layer.is_sparse
+        sparse = sparse and not layer.shared_index
         indices = self._select(
             layer,
+            "decode",
             index_q[rows_q] if sparse else None,
             index_w[rows_q] if sparse else None,
             meta.decode_context_rows,
@@ -215,13 +229,14 @@ class SparseMLABackend(AttentionBackend):
         (`kv_b_proj` expands the context latents; the plain-PyTorch path, as transformers
         computes), or with the compiled ops in the absorbed form over the selected rows."""
         latent_rows = kv_cache[0].view(-1, kv_cache[0].shape[-1])
-        index_rows = kv_cache[1].view(-1, kv_cache[1].shape[-1])
+        index_rows = kv_cache[1].flatten(0, 1)
         host_latent, host_index = self._host(layer)
         (start, end), seq_len, slots = meta.query_ranges[i], meta.seq_lens[i], meta.context_slots[i]
         positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        sparse = layer.is_sparse
+        sparse = layer.is_sparse and not layer.shared_index
         indices = self._select(
             layer,
+            i,
             index_q[start:end] if sparse else None,
             index_w[start:end] if sparse else None,
             slots.unsqueeze(0),
