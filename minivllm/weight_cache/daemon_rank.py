@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 logger = logging.getLogger("minivllm")
@@ -37,6 +38,7 @@ class RankSpec:
 
 
 WATCH_INTERVAL_S = 2.0
+HEARTBEAT_TIMEOUT_S = 60.0
 
 
 def run_rank(conn: Connection) -> int:
@@ -54,12 +56,15 @@ def run_rank(conn: Connection) -> int:
 
         torch.set_num_threads(spec.num_threads)
         init_tensor_parallel(spec.rank, spec.world_size, spec.init_method, spec.secret)
+        # (collective: every rank of every node makes it, before anything can fail apart)
+        heartbeat = _heartbeat_group() if spec.watch_group else None
         daemon = WeightCacheDaemon(config, socket_dir, tp_rank=spec.rank)
         daemon.load()
         daemon.bind()
         conn.send(("ready", daemon.path))
-        if spec.watch_group:
-            threading.Thread(target=_watch_group, args=(spec, conn), daemon=True).start()
+        if heartbeat is not None:
+            watch = threading.Thread(target=_watch_group, args=(spec, conn, heartbeat), daemon=True)
+            watch.start()
         daemon.serve_forever(parent=conn)
     except StopDaemon as e:
         logger.info("weight cache daemon rank %d stopping (%s)", spec.rank, e)
@@ -71,21 +76,35 @@ def run_rank(conn: Connection) -> int:
             logger.error("weight cache daemon rank %d failed:\n%s", spec.rank, text)
         return 1
     finally:
+        # the parent's SIGTERM often follows our own stop: it must not cut the cleanup short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if daemon is not None:
             daemon.close()
     return 0
 
 
-def _watch_group(spec: RankSpec, conn: Connection) -> None:
-    """Meet every rank of every node in a barrier, again and again; when it fails (a rank
-    of another node died or stopped: gloo sees its connections close), tell the parent,
-    which takes this node's group down, and stop this rank (SIGTERM: its socket and lock
-    are removed as on any stop)."""
+def _heartbeat_group():
+    """A gloo group over the same ranks whose collectives give up after
+    HEARTBEAT_TIMEOUT_S (the world group never does): a node that vanishes without
+    closing its connections (power, network) then fails the barrier too."""
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=HEARTBEAT_TIMEOUT_S))
+
+
+def _watch_group(spec: RankSpec, conn: Connection, heartbeat) -> None:
+    """Wait (without a deadline: loads take as long as they take) until every rank of
+    every node serves, then meet them all in a barrier every WATCH_INTERVAL_S; when it
+    fails (a rank elsewhere died or stopped: gloo sees its connections close, or the
+    barrier times out), tell the parent, which takes this node's group down, and stop
+    this rank (SIGTERM: its socket and lock are removed as on any stop)."""
     import torch.distributed as dist
 
     try:
+        dist.barrier()  # the world group: all loaded
         while True:
-            dist.barrier()
+            dist.barrier(group=heartbeat)
             time.sleep(WATCH_INTERVAL_S)
     except Exception as e:  # noqa: BLE001 - whatever gloo raises, the group is broken
         why = f"lost the daemon group (another node's rank stopped or died): {e}"

@@ -52,6 +52,16 @@ class WeightCacheKey:
         if not isinstance(data, dict):
             raise ValueError("cache key must be a JSON object")
         fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        # a peer from before a defaulted field existed: the default (e.g. draft "none"), so
+        # the comparison can name the field instead of refusing the whole key
+        data = {
+            **{
+                f.name: f.default
+                for f in dataclasses.fields(cls)
+                if f.default is not dataclasses.MISSING
+            },
+            **data,
+        }
         if set(data) != set(fields):
             raise ValueError(f"cache key fields differ: expected {sorted(fields)}")
         for name, kind in fields.items():

@@ -61,7 +61,7 @@ class SparseMLABackend(AttentionBackend):
         super().__init__(decode_query_len)
         # the last full layer's selections this step, for layers that share them
         # (GLM-MoE-DSA): "decode", or a prefill request's index -> [N, k] token indices
-        self._selections: dict[object, torch.Tensor] = {}
+        self._selections: dict[object, torch.Tensor] = {}  # cleared at each step's metadata
         # compiled ops (bf16 CPU) where this engine has them, else the references
         op = kernels.op if kernels is not None else (lambda name: None)
         self.topk_op = op("dsa_indexer_topk")
@@ -82,6 +82,7 @@ class SparseMLABackend(AttentionBackend):
         return latent, index
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SparseMLAMetadata:
+        self._selections.clear()  # a new step (or the draft's forward): nothing to share yet
         req_ids = common.req_ids or [str(i) for i in range(common.num_reqs)]
         meta = SparseMLAMetadata(common.slot_mapping, req_ids, [], [], [], [], [])
         device = common.slot_mapping.device
