@@ -28,7 +28,11 @@ from minivllm.spec_decode.profiling import profile_step_cost
 from minivllm.spec_decode.proposer import Proposer, TargetHiddenStates
 from minivllm.spec_decode.spec_decoder import SpecDecoder
 from minivllm.structured_output.manager import StructuredOutputManager
-from minivllm.utils.memory import available_host_bytes, default_kv_cache_bytes
+from minivllm.utils.memory import (
+    available_host_bytes,
+    default_kv_cache_bytes,
+    keep_freed_host_memory,
+)
 from minivllm.watermark.generation import Watermarker
 from minivllm.worker.input_batch import InputBatch
 from minivllm.worker.request_state import CachedRequestState
@@ -57,6 +61,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = config.device
+        if self.device == "cpu":
+            keep_freed_host_memory()
         self.block_size = config.cache.block_size
         self.vocab_size = config.model.vocab_size
         start = time.perf_counter()
