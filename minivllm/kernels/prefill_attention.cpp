@@ -20,8 +20,9 @@
 // tiles (A: 16 query rows x 32 dims; B: the 16-key slice of Kt for 16 dim pairs, read
 // with Kt's row stride), and O += P V with O's fp32 rows loaded into the accumulator tiles
 // (B: 16 key pairs of Vp x 16 dims). The masking and the online softmax stay in AVX-512
-// between the two. Measured on this project's 2-vCPU Xeon: 512-token prefill attention of
-// the Qwen3-0.6B shape, 28 layers, from 309 ms to (see docs/performance.md).
+// between the two. Measured on this project's 2-vCPU Xeon, one layer of the Qwen3-0.6B
+// shape, the paths interleaved: 512 tokens 5.4 ms against 12.5 (1.9-2.7x from 128 to
+// 2048 tokens; `benchmarks/prefill_attention.py`, docs/performance.md item 17).
 //
 // Query token i of the chunk sits at position num_context + i and sees keys
 // [max(0, pos - window + 1), pos] (window 0: no limit), the same mask as the
