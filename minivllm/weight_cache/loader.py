@@ -11,7 +11,9 @@ load with a warning (or raise with `fallback=false`); an unsupported setup (devi
 a linear method that cannot take processed weights) or an unsafe socket directory
 raises either way. With tensor parallelism each rank maps its own shard from its
 rank's socket (`..._tp<rank>.sock`, its own key's `tp_rank`) and watches its own
-daemon rank; the ranks then agree: if any rank fell back to disk, all do.
+daemon rank; the ranks then agree: if any rank fell back to disk, all do. A speculative
+draft the daemon holds too (its names under `DRAFT_PREFIX`) is mapped from the same
+arena by `map_draft_model` when the drafter is built.
 """
 
 from __future__ import annotations
