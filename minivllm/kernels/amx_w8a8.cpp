@@ -32,10 +32,6 @@
 
 #include "kernels.h"
 
-#if __has_include(<amxtileintrin.h>)
-#define MINIVLLM_HAVE_AMX 1
-#endif
-
 namespace {
 
 using bf16 = at::BFloat16;
@@ -44,14 +40,6 @@ constexpr int64_t kTileK = 64;            // int8 k per tile row
 constexpr int64_t kBlock = 32;            // rows of x and of the weight per step
 constexpr int64_t kTileBytes = 16 * 64;   // one tile
 constexpr int64_t kChunkBytes = 768 << 10;  // x rows per chunk: this much of L2 (2 MB here)
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Linux hands out the AMX register state only on request (arch_prctl, since 5.16).
 constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
@@ -75,18 +63,6 @@ bool amx_permitted() {  // the permission is the process's; asked once
 #pragma GCC target("amx-tile,amx-int8")
 
 // Tiles 0-3: C (16 x 16 int32); 4, 5: A (16 rows of x x 64 k); 6, 7: B (16 x 64 bytes).
-// (A static, as in prefill_attention.cpp: a stack copy's stores can be dropped as dead.)
-void configure_tiles() {
-  static const TileConfig cfg = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.rows[t] = 16;
-      c.colsb[t] = 64;
-    }
-    return c;
-  }();
-  _tile_loadconfig(&cfg);
-}
 
 struct Gemm {
   const int8_t* xq;  // [Mp / 16, blocks_k, 16, 64]: A tiles, zeros past row M and k = K
@@ -160,9 +136,9 @@ void run_gemm(const Gemm& g, int64_t Mp) {
   for (int64_t m = 0; m < Mp; m += chunk) {
     const int64_t m_end = std::min(Mp, m + chunk);
     at::parallel_for(0, blocks_n, 1, [&](int64_t b0, int64_t b1) {
-      configure_tiles();  // per thread: the configuration is thread state
+      amx_load_tile_config();  // per thread: the configuration is thread state
       g.run(m, m_end, b0, b1);
-      _tile_release();
+      amx_release_tiles();
     });
   }
 }
@@ -170,24 +146,53 @@ void run_gemm(const Gemm& g, int64_t Mp) {
 #pragma GCC pop_options
 #endif  // MINIVLLM_HAVE_AMX
 
-}  // namespace
-
-bool amx_w8a8_available() {
+bool amx_unit_available(int unit_bit) {
 #ifdef MINIVLLM_HAVE_AMX
-  static const bool ok = cpu_has_amx(25) && amx_permitted();
-  return ok;
+  return cpu_has_amx(unit_bit) && amx_permitted();
 #else
   return false;
 #endif
 }
 
-bool amx_bf16_available() {
+}  // namespace
+
 #ifdef MINIVLLM_HAVE_AMX
-  static const bool ok = cpu_has_amx(22) && amx_permitted();
+#pragma GCC push_options
+#pragma GCC target("amx-tile")
+
+void amx_load_tile_config() {
+  struct alignas(64) TileConfig {
+    uint8_t palette = 1;
+    uint8_t start_row = 0;
+    uint8_t reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  // a static: GCC 12 dropped the stores into a stack copy as dead (tiles of 0 rows: SIGILL)
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  _tile_loadconfig(&cfg);
+}
+
+void amx_release_tiles() { _tile_release(); }
+
+#pragma GCC pop_options
+#endif  // MINIVLLM_HAVE_AMX
+
+bool amx_w8a8_available() {
+  static const bool ok = amx_unit_available(25);
   return ok;
-#else
-  return false;
-#endif
+}
+
+bool amx_bf16_available() {
+  static const bool ok = amx_unit_available(22);
+  return ok;
 }
 
 torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,

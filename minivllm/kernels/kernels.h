@@ -9,6 +9,12 @@
 #include <tuple>
 #include <vector>
 
+// AMX tile code compiles only where the compiler has the intrinsics (GCC >= 11); without
+// them amx_*_available() say false and the AVX-512 / oneDNN paths serve.
+#if __has_include(<amxtileintrin.h>)
+#define MINIVLLM_HAVE_AMX 1
+#endif
+
 // exp(x) for 16 fp32 lanes: 2^(x log2 e) split into 2^n * 2^f, f in [-0.5, 0.5], with a
 // degree-6 polynomial for 2^f (relative error ~2e-7, below bf16's resolution).
 inline __m512 exp_ps(__m512 x) {
@@ -91,6 +97,12 @@ float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
 bool amx_w8a8_available();
 // AMX-BF16 tiles usable here (CPU, compiler and the kernel's permission); prefill attention's
 bool amx_bf16_available();
+#ifdef MINIVLLM_HAVE_AMX
+// Every AMX kernel's tile palette: 8 tiles of 16 rows x 64 bytes. The configuration is
+// thread state: each thread loads it before its first tile op and releases it after.
+void amx_load_tile_config();
+void amx_release_tiles();
+#endif
 torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
                               torch::Tensor scale, c10::optional<torch::Tensor> bias);
 torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,

@@ -29,9 +29,6 @@
 // PyTorch path in layers/attention.py.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#if __has_include(<amxtileintrin.h>)
-#define MINIVLLM_HAVE_AMX 1
-#endif
 #include <omp.h>
 #include <torch/extension.h>
 
@@ -126,30 +123,8 @@ inline void pv_block(float* o, int64_t o_stride, const bf16* p, const bf16* vp, 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16")
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3: accumulators (16 x 16 fp32); 4: A (16 rows x 32 bf16); 5-7: B (16 x 16 pairs).
-// The configuration is thread state: each thread sets it before its first tile op.
-// (A static: GCC 12 dropped the stores into a stack copy as dead, leaving tiles of 0 rows.)
-void amx_begin() {
-  static const TileConfig cfg = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.rows[t] = 16;
-      c.colsb[t] = 64;
-    }
-    return c;
-  }();
-  _tile_loadconfig(&cfg);
-}
-
-void amx_end() { _tile_release(); }
+// Tiles 0-3: accumulators (16 x 16 fp32); 4: A (16 rows x 32 bf16); 5-7: B (16 x 16 pairs),
+// in the shared palette (amx_load_tile_config).
 
 // s[16][KT] (fp32, unscaled) = q[16 rows][D] . K^T for one key tile; kt: the tile's [D/2][KT] pairs.
 __attribute__((noinline)) void amx_scores(const bf16* q, int64_t D, const uint32_t* kt, float* s) {
@@ -374,7 +349,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
     std::vector<float> o_buf, s_buf;
     std::vector<bf16> p_buf, q_buf;
 #ifdef MINIVLLM_HAVE_AMX
-    if (amx) amx_begin();
+    if (amx) amx_load_tile_config();
 #endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < items; ++i) {
@@ -384,7 +359,7 @@ torch::Tensor prefill_attention(torch::Tensor q, torch::Tensor k_cache, torch::T
                   static_cast<float>(scale), op, Hq * D, o_buf, s_buf, p_buf, q_buf, amx);
     }
 #ifdef MINIVLLM_HAVE_AMX
-    if (amx) amx_end();
+    if (amx) amx_release_tiles();
 #endif
   }
   return out;

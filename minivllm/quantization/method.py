@@ -11,7 +11,7 @@ pre-quantized checkpoint layer (`compressed_tensors.py`) arrives at the same
 machine and shape allow and the backend choice says so, else the plain-PyTorch
 reference, which is also the kernel's test oracle. Weight-only schemes at large
 batches (prefill) dequantize the weight to bf16 once per call (the compiled
-`dequantize_bf16`, into a scratch buffer reused across layers) and use the dense GEMM:
+`dequantize_bf16`) and use the dense GEMM:
 there the step is compute-bound and oneDNN's bf16 GEMM is faster than converting in
 registers. int8_w8a8 at large batches runs its prepacked copy: our AMX kernel, or
 oneDNN's int8 GEMM on CPUs without AMX.
@@ -20,7 +20,6 @@ oneDNN's int8 GEMM on CPUs without AMX.
 from __future__ import annotations
 
 import logging
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +40,6 @@ logger = logging.getLogger("minivllm")
 # weight is dequantized to bf16 for oneDNN's GEMM (prefill). int8_w8a8's crossover to
 # its prepacked copy's GEMM (AMX or oneDNN) is formats.w8a8_max_kernel_rows.
 MAX_STREAMING_ROWS = 64
-# per thread, one bf16 buffer for the large-batch dequantization, grown to the largest
-# weight it served: a fresh allocation each call page-faulted its ~10 MB in again, a few ms
-# a layer (an engine runs its forward on one thread). Weights over SCRATCH_MAX_ELEMENTS
-# (a quantized LM head: 151936 x 1024 at 0.6B) get a buffer of their own each call, so the
-# one kept stays the size of a decoder layer's largest linear.
-_SCRATCH = threading.local()
-SCRATCH_MAX_ELEMENTS = 64 << 20
 
 
 class QuantizedLinearMethod(LinearMethodBase):
@@ -195,15 +187,10 @@ class QuantizedLinearMethod(LinearMethodBase):
         return out.view(*x.shape[:-1], qw.out_features)
 
     def _dequantized(self, qw: formats.QuantWeights) -> torch.Tensor:
-        """qw's weight in bf16, `formats.dequantize(qw).to(bf16)` bit for bit, in this
-        thread's scratch buffer (valid until the next layer's call)."""
-        size = qw.out_features * qw.in_features
-        buffer = getattr(_SCRATCH, "buffer", None)
-        if size > SCRATCH_MAX_ELEMENTS:
-            buffer = torch.empty(size, dtype=torch.bfloat16)
-        elif buffer is None or buffer.numel() < size:
-            buffer = _SCRATCH.buffer = torch.empty(size, dtype=torch.bfloat16)
-        out = buffer[:size].view(qw.out_features, qw.in_features)
+        """qw's weight in bf16, `formats.dequantize(qw).to(bf16)` bit for bit. A fresh
+        buffer each call costs no page faults: CPU runners keep freed memory in the heap
+        (`utils.memory.keep_freed_host_memory`)."""
+        out = torch.empty(qw.out_features, qw.in_features, dtype=torch.bfloat16)
         self.dequantize_op(qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, out)
         return out
 
