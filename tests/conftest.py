@@ -216,3 +216,31 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"CPU: {cpu_model()} [{isa_summary()}]; bf16 kernel path: {fast}; "
         f"fp32 AVX2 kernel path: {avx2}"
     ]
+
+
+# Fast Start (test_weight_cache*.py): the checkpoint daemons load, and daemons per test
+@pytest.fixture(scope="module")
+def bf16_dir(make_checkpoint: Any) -> Path:
+    return make_checkpoint("Qwen3ForCausalLM", dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def start_daemon(bf16_dir: Path, tmp_path: Path) -> Iterator[Any]:
+    """start_daemon(*args) -> a weight_cache_harness.Daemon, stopped after the test; the
+    daemons of one test share a socket directory."""
+    import shutil
+
+    from tests.weight_cache_harness import Daemon, short_dir
+
+    started: list[Daemon] = []
+    socket_dir = short_dir()
+
+    def start(*args: str) -> Daemon:
+        daemon = Daemon(bf16_dir, socket_dir, tmp_path / f"daemon{len(started)}.log", *args)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.stop()
+    shutil.rmtree(socket_dir)
