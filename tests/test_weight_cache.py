@@ -36,6 +36,7 @@ from tests.weight_cache_harness import (
     PROMPTS,
     Daemon,
     assert_same_outputs,
+    disk_outputs_of,
     short_dir,
 )
 
@@ -53,10 +54,7 @@ def shared_daemon(bf16_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture(scope="module")
 def disk_outputs(bf16_dir: Path) -> list[Any]:
-    llm = LLM(str(bf16_dir), **ENGINE)
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm.llm_engine.shutdown()
-    return outputs
+    return disk_outputs_of(bf16_dir, **ENGINE)
 
 
 def ipc_llm(model_dir: Path, daemon: Daemon, **options: Any) -> LLM:

@@ -25,6 +25,7 @@ from tests.weight_cache_harness import (
     REPO,
     Daemon,
     assert_same_outputs,
+    disk_outputs_of,
 )
 
 TP2 = dict(ENGINE, tensor_parallel_size=2)
@@ -56,10 +57,7 @@ def wait_gone(pid: int) -> None:
 
 @pytest.fixture(scope="module")
 def tp2_disk_outputs(bf16_dir: Path) -> list[Any]:
-    llm = LLM(str(bf16_dir), **TP2)
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    llm.llm_engine.shutdown()
-    return outputs
+    return disk_outputs_of(bf16_dir, **TP2)
 
 
 def test_tp2_ipc_cache_matches_tp2_disk_load(

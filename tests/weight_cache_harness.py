@@ -59,3 +59,13 @@ def assert_same_outputs(outputs: list[Any], expected: list[Any]) -> None:
     for got, want in zip(outputs, expected, strict=True):
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
         assert got.outputs[0].logprobs == want.outputs[0].logprobs
+
+
+def disk_outputs_of(model_dir: Path, **engine: Any) -> list[Any]:
+    """PROMPTS' greedy outputs from an engine that loads `model_dir` from disk."""
+    from minivllm import LLM
+
+    llm = LLM(str(model_dir), **engine)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    return outputs
