@@ -12,6 +12,7 @@ import openai
 import pytest
 import torch
 
+from minivllm.kernels.isa import cpu_flags
 from minivllm.utils.random_checkpoint import make_random_checkpoint, train_bpe_tokenizer
 from tests.server_utils import (
     API_KEY,
@@ -244,3 +245,17 @@ def start_daemon(bf16_dir: Path, tmp_path: Path) -> Iterator[Any]:
     for daemon in started:
         daemon.stop()
     shutil.rmtree(socket_dir)
+
+
+needs_avx2 = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="CPU lacks AVX2/FMA")
+
+
+@pytest.fixture(scope="session")
+def avx2():
+    """The AVX2 kernel family's compiled module (skips where it did not build)."""
+    from minivllm.kernels import get_avx2_kernels
+
+    module = get_avx2_kernels()
+    if module is None:
+        pytest.skip("the AVX2 kernels did not build (no compiler?)")
+    return module

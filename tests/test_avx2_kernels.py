@@ -21,20 +21,8 @@ import sys
 import pytest
 import torch
 
-from minivllm.kernels.isa import cpu_flags
 from minivllm.layers.panel_linear import exactly_bf16, pack_panels, unpack_panels
-
-needs_avx2 = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="CPU lacks AVX2/FMA")
-
-
-@pytest.fixture(scope="module")
-def avx2():
-    from minivllm.kernels import get_avx2_kernels
-
-    module = get_avx2_kernels()
-    if module is None:
-        pytest.skip("the AVX2 kernels did not build (no compiler?)")
-    return module
+from tests.conftest import needs_avx2
 
 
 def bf16_valued(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -178,60 +166,6 @@ print(json.dumps({{
         text=True,
     )
     assert bad.returncode != 0 and "MINIVLLM_CPU_ISA='sse2'" in bad.stderr and "avx2" in bad.stderr
-
-
-@needs_avx2
-@pytest.mark.parametrize("n,k", [(37, 40), (300, 77), (1024, 256)])
-@pytest.mark.parametrize("m", [0, 1, 2, 3, 15, 16, 40])
-def test_linear_int8w_matches_float64(avx2, m, n, k):
-    """int8_w8a16 in an fp32 engine: (x q^T) * scale + bias, below 16 rows in the dot-product
-    kernel, from 16 through ATen's GEMM on q converted to fp32. Bound as for the panels:
-    the products x q are exact in float64 and the fp32 sums are off by 2 K 2^-24 sum |x q|,
-    then scaled (one more rounding)."""
-    gen = torch.Generator().manual_seed(m + n)
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-    scale = torch.rand(n, generator=gen) / 64
-    bias = torch.randn(n, generator=gen)
-    x = torch.randn(m, k, generator=gen)
-    y = avx2.linear_int8w(x, q, scale, bias)
-    assert y.shape == (m, n) and y.dtype == torch.float32
-    ref = (x.double() @ q.double().T) * scale.double() + bias.double()
-    sums = (x.double().abs() @ q.double().abs().T) * scale.double()
-    bound = (2 * k + 2) * 2.0**-24 * sums + 2.0**-23 * (ref.abs() + bias.double().abs())
-    assert ((y.double() - ref).abs() <= bound + 1e-30).all()
-
-
-@needs_avx2
-def test_int8_engine_in_fp32_runs_the_avx2_op_and_agrees_with_the_reference(make_checkpoint):
-    """`quantization="int8"` in an fp32 engine: the AVX2 op, not the reference that
-    dequantizes every weight at every call; both are fp32, so logprobs agree to 1e-4."""
-    from minivllm import LLM, SamplingParams
-
-    model_dir = make_checkpoint("Qwen3ForCausalLM")
-    prompts = [[5, 9, 33, 120, 7, 8, 9], list(range(40, 70))]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
-    runs = {}
-    for backend in ("cpu_kernel", "torch"):
-        llm = LLM(
-            str(model_dir),
-            dtype="float32",
-            quantization="int8",
-            kernel_config={"linear_backend_per_quant": {"int8_w8a16": backend}},
-            kv_cache_memory_bytes=8 << 20,
-            max_model_len=128,
-        )
-        down = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj
-        assert down.quant_method.backend == backend
-        assert (down.quant_method.fp32_int8_op is not None) == (backend == "cpu_kernel")
-        runs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for ours, ref in zip(runs["cpu_kernel"], runs["torch"], strict=True):
-        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
-        for pos in range(1, len(ours.prompt_token_ids)):
-            token = ours.prompt_token_ids[pos]
-            diff = (
-                ours.prompt_logprobs[pos][token].logprob - ref.prompt_logprobs[pos][token].logprob
-            )
-            assert abs(diff) < 1e-4, (pos, diff)
 
 
 @needs_avx2

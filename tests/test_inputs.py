@@ -153,11 +153,15 @@ def test_too_small_kv_budget_says_what_to_do(qwen3_dir):
 def test_auto_dtype_takes_the_checkpoint_dtype(make_checkpoint, caplog):
     import logging
 
+    from minivllm.kernels.isa import cpu_has_avx512_bf16
+
+    # without AVX512-BF16 a bf16 checkpoint runs in float32 on the AVX2 kernels (config.resolve_dtype)
+    bf16_runs_as = torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
     bf16_dir = make_checkpoint("Qwen3ForCausalLM", dtype=torch.bfloat16, seed=4)
     llm = LLM(str(bf16_dir), kv_cache_memory_bytes=4 << 20, max_model_len=64)
-    assert llm.llm_engine.config.model.dtype == torch.bfloat16
+    assert llm.llm_engine.config.model.dtype == bf16_runs_as
     fp16_dir = make_checkpoint("Qwen3ForCausalLM", dtype=torch.float16, seed=4)
     with caplog.at_level(logging.WARNING, logger="minivllm"):
         llm = LLM(str(fp16_dir), kv_cache_memory_bytes=4 << 20, max_model_len=64, device="cpu")
-    assert llm.llm_engine.config.model.dtype == torch.bfloat16
+    assert llm.llm_engine.config.model.dtype == bf16_runs_as
     assert "float16 checkpoint on CPU" in caplog.text

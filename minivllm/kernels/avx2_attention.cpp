@@ -130,6 +130,10 @@ torch::Tensor avx2_linear_bf16w(torch::Tensor x, torch::Tensor panels, int64_t n
 torch::Tensor avx2_linear_int8w(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
                                 c10::optional<torch::Tensor> bias);
 
+torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
+                                 c10::optional<torch::Tensor> zero, int64_t group_size,
+                                 c10::optional<torch::Tensor> bias);
+
 torch::Tensor avx2_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor avx2_fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor avx2_silu_and_mul(torch::Tensor x);
@@ -138,6 +142,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_bf16w", &avx2_linear_bf16w, "fp32 x @ W^T + b over bf16 weight panels (AVX2)", nogil);
   m.def("linear_int8w", &avx2_linear_int8w, "fp32 x @ (q * scale)^T + b, int8 rows (AVX2)", nogil);
+  m.def("linear_quantw", &avx2_linear_quantw,
+        "fp32 x @ dequantized(int8 | int4 | fp8 rows)^T + b (AVX2), formats.reference_linear's numbers", nogil);
   m.def("rms_norm", &avx2_rms_norm, "fp32 RMSNorm (AVX2)", nogil);
   m.def("fused_add_rms_norm", &avx2_fused_add_rms_norm, "residual += x; RMSNorm(residual), fp32", nogil);
   m.def("silu_and_mul", &avx2_silu_and_mul, "silu(gate) * up, fp32", nogil);

@@ -100,7 +100,7 @@ register_family(
     AVX2,
     ("avx2", "fma"),
     _load_avx2,
-    {op: op for op in ("linear_bf16w", "linear_int8w", "paged_attention_decode")},
+    {op: op for op in ("linear_bf16w", "linear_int8w", "linear_quantw", "paged_attention_decode")},
 )
 
 

@@ -56,7 +56,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.quant_weights: formats.QuantWeights | None = None
         self.op = None  # the compiled quant_linear, where used
         self.quantize_rows = None  # the compiled per-token int8 quantizer, with it
-        self.fp32_int8_op = None  # the AVX2 family's int8 op, for int8_w8a16 in fp32 engines
+        self.fp32_op = None  # the AVX2 family's linear_quantw, for fp32 engines
         self.amx_op = None  # int8_w8a8's AMX GEMM past a few rows, where the CPU has AMX-INT8
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
         self.w8a8_kernel_rows = 0  # int8_w8a8: rows for quant_linear before the packed copy
@@ -138,10 +138,11 @@ class QuantizedLinearMethod(LinearMethodBase):
         return self.spec.group_size if self.spec.scheme == "int4_w4a16" else 0
 
     def choose_backend(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
-        # an fp32 engine on the AVX2 family: int8 rows are multiplied as stored, in fp32
-        fp32_op = kernels.op("linear_int8w") if qw.scheme == "int8_w8a16" else None
+        # an fp32 engine on the AVX2 family: the rows are decoded in registers and
+        # multiplied in fp32 (int8_w8a8: on its quantized activations, `_apply_fp32`)
+        fp32_op = kernels.op("linear_quantw")
         if fp32_op is not None and self.requested_backend != "torch":
-            self.fp32_int8_op, self.op, self.quantize_rows = fp32_op, None, None
+            self.fp32_op, self.op, self.quantize_rows = fp32_op, None, None
             self.backend = "cpu_kernel"
             return
         op = kernels.op("quant_linear")
@@ -165,9 +166,8 @@ class QuantizedLinearMethod(LinearMethodBase):
         qw = self.quant_weights
         assert qw is not None, "process_weights_after_loading has not run"
         rows = x.reshape(-1, x.shape[-1])
-        if self.fp32_int8_op is not None and x.dtype == torch.float32:
-            out = self.fp32_int8_op(rows, qw.weight, qw.scale, bias)
-            return out.view(*x.shape[:-1], qw.out_features)
+        if self.fp32_op is not None and x.dtype == torch.float32:
+            return self._apply_fp32(rows, qw, bias).view(*x.shape[:-1], qw.out_features)
         if self.op is None or x.dtype != torch.bfloat16:
             return formats.reference_linear(x, qw, bias)
         m = rows.shape[0]
@@ -185,6 +185,21 @@ class QuantizedLinearMethod(LinearMethodBase):
         else:
             out = self.op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
         return out.view(*x.shape[:-1], qw.out_features)
+
+    def _apply_fp32(
+        self, rows: torch.Tensor, qw: formats.QuantWeights, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The AVX2 op in an fp32 engine. int8_w8a8 has no int8 arithmetic there (AVX2 has
+        no VNNI): its activations are quantized per token as the scheme says, and the
+        integers multiplied in fp32, which holds their products exactly and sums them as
+        the reference does in another order: y = (xq q^T) * scale[n] * xs[m] (+ bias)."""
+        if qw.scheme != "int8_w8a8":
+            return self.fp32_op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias)
+        xq, xs = formats.quantize_per_token(rows)
+        kind = formats.KIND_INT8_W8A16  # the same int8 rows, read as weight-only
+        out = self.fp32_op(xq.to(torch.float32), kind, qw.weight, qw.scale, None, 0, None)
+        out.mul_(xs[:, None])
+        return out if bias is None else out.add_(bias)
 
     def _dequantized(self, qw: formats.QuantWeights) -> torch.Tensor:
         """qw's weight in bf16, `formats.dequantize(qw).to(bf16)` bit for bit. A fresh

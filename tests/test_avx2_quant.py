@@ -1,0 +1,169 @@
+"""Quantized weights in fp32 engines on AVX2 (`kernels/avx2_quant.cpp`): int8, int4 and
+fp8 rows decoded in registers, and int8_w8a8 on its per-token quantized activations.
+
+Tolerance of `linear_quantw`: every decoded weight value is exact, and inside an FMA each
+product x_k * v_k is exact too, so the fp32 result differs from the float64 reference
+only by its sums' roundings: recursive summation of K terms is off by at most
+K 2^-24 sum_k |x_k v_k|. int4 sums q (not q - z) and subtracts z * sum(x) per group, a
+second sum of the same length, and scales each group's sum (one rounding); the widened
+path (from 16 rows) rounds (q - z) * s once and lets ATen's GEMM sum. The test bound
+covers all of these: (2 K + 8) 2^-24 sum_k |x_k| (|q_k| + |z|) s, plus 2^-23 of the
+result and the bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.quantization import formats
+from tests.conftest import needs_avx2
+
+
+def _bound(x: torch.Tensor, qw: formats.QuantWeights, ref: torch.Tensor, bias: torch.Tensor):
+    """The docstring's bound, per output, in float64."""
+    k = qw.in_features
+    if qw.scheme == "int4_w4a16":
+        q = formats.unpack_int4(qw.weight).double()
+        zero = 8.0 if qw.zero is None else qw.zero.double().repeat_interleave(qw.group_size, 1)
+        scale = qw.scale.double().repeat_interleave(qw.group_size, 1)
+        magnitude = (q.abs() + torch.as_tensor(zero).abs()) * scale
+    else:
+        magnitude = formats.dequantize(qw).double().abs()
+    sums = x.double().abs() @ magnitude.T
+    return (2 * k + 8) * 2.0**-24 * sums + 2.0**-23 * (ref.abs() + bias.double().abs())
+
+
+SCHEMES = [
+    ("int8_w8a16", 0, True),
+    ("fp8_w8a16", 0, True),
+    ("int4_w4a16", 128, True),
+    ("int4_w4a16", 32, False),
+]
+
+
+# int4 needs K a multiple of its group; the per-channel schemes take any K (a scalar tail)
+SHAPES = [
+    (*scheme, n, k)
+    for scheme in SCHEMES
+    for n, k in [(37, 40), (300, 256), (21, 1024)]
+    if not scheme[1] or k % scheme[1] == 0
+]
+
+
+@needs_avx2
+@pytest.mark.parametrize("scheme,group,symmetric,n,k", SHAPES)
+@pytest.mark.parametrize("m", [0, 1, 2, 3, 15, 16, 17, 40])
+def test_linear_quantw_matches_float64(avx2, scheme, group, symmetric, m, n, k):
+    """Each scheme against x @ dequantize(qw)^T in float64, below 16 rows in the dot-product
+    kernel (weight-row edges and odd row counts included) and from 16 through ATen's GEMM
+    on the dequantized weight."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    w[0, : k // 2] *= 1e-4  # fp8: subnormal codes (exponent 0) in row 0
+    qw = formats.quantize(w, scheme, group or 128, symmetric)
+    if scheme == "fp8_w8a16":
+        assert bool(((qw.weight & 0x78) == 0).any())
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    ref = x.double() @ formats.dequantize(qw).double().T + bias.double()
+    assert ((y.double() - ref).abs() <= _bound(x, qw, ref, bias) + 1e-30).all()
+
+
+@needs_avx2
+@pytest.mark.parametrize("m", [1, 40])
+def test_fp8_decoding_ignores_flush_to_zero(avx2, m):
+    """fp8's subnormal codes decode through fp32 subnormals: the op keeps them even when the
+    caller's thread flushes denormals (torch.set_flush_denormal sets MXCSR's DAZ/FTZ)."""
+    q = torch.arange(256, dtype=torch.uint8)
+    q = q[(q & 0x7F) != 0x7F].reshape(1, -1)[:, :224]  # every code but NaN, K = 224
+    qw = formats.from_fp8_values(q.repeat(8, 1), torch.ones(8))
+    x = torch.ones(m, 224)
+    ref = x.double() @ formats.dequantize(qw).double().T
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, None, 0, None)
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.allclose(y.double(), ref, rtol=1e-6, atol=0)
+
+
+@needs_avx2
+def test_linear_quantw_rejects_bad_operands(avx2):
+    qw = formats.quantize(torch.randn(8, 64), "int4_w4a16", 32)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="kind"):
+        avx2.linear_quantw(x, 9, qw.weight, qw.scale, None, 32, None)
+    with pytest.raises(RuntimeError, match="groups"):
+        avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, None, 48, None)
+    with pytest.raises(RuntimeError, match="row size"):
+        avx2.linear_quantw(torch.randn(2, 32), qw.kind, qw.weight, qw.scale, None, 32, None)
+    with pytest.raises(RuntimeError, match="scale"):
+        avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale[:4], None, 32, None)
+
+
+@needs_avx2
+@pytest.mark.parametrize("m,n,k", [(1, 37, 40), (3, 64, 96), (40, 300, 256)])
+def test_linear_int8w_keeps_its_contract(avx2, m, n, k):
+    """`linear_int8w`, the earlier name of int8's op: (x q^T) * scale + bias."""
+    gen = torch.Generator().manual_seed(m + n)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, generator=gen) / 64
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    qw = formats.from_int8_values(q, scale)
+    ref = (x.double() @ q.double().T) * scale.double() + bias.double()
+    y = avx2.linear_int8w(x, q, scale, bias)
+    assert ((y.double() - ref).abs() <= _bound(x, qw, ref, bias) + 1e-30).all()
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    "scheme,options",
+    [
+        ("int8_w8a16", {}),
+        ("int4_w4a16", {"group_size": 32, "symmetric": False}),
+        ("fp8_w8a16", {}),
+        ("int8_w8a8", {}),
+    ],
+)
+def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
+    make_checkpoint, scheme, options
+):
+    """Every scheme in an fp32 engine: the AVX2 op, not the reference that dequantizes every
+    weight at every call; both compute in fp32 on the same numbers (int8_w8a8: the same
+    quantized activations), so greedy tokens match and prompt logprobs agree to 1e-4.
+    Prompts of 7 and 30 tokens put prefill on both of the op's paths."""
+    from minivllm import LLM, SamplingParams
+
+    model_dir = make_checkpoint("Qwen3ForCausalLM")
+    prompts = [[5, 9, 33, 120, 7, 8, 9], list(range(40, 70))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
+    runs = {}
+    for backend in ("cpu_kernel", "torch"):
+        llm = LLM(
+            str(model_dir),
+            dtype="float32",
+            quantization="online",
+            quantization_config={"targets": {"*": {"scheme": scheme, **options}}},
+            kernel_config={"linear_backend_per_quant": {scheme: backend}},
+            kv_cache_memory_bytes=8 << 20,
+            max_model_len=128,
+            enable_prefix_caching=False,
+        )
+        down = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj
+        assert down.quant_method.spec.scheme == scheme
+        assert down.quant_method.backend == backend
+        assert (down.quant_method.fp32_op is not None) == (backend == "cpu_kernel")
+        runs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for ours, ref in zip(runs["cpu_kernel"], runs["torch"], strict=True):
+        assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
+        for pos in range(1, len(ours.prompt_token_ids)):
+            token = ours.prompt_token_ids[pos]
+            diff = (
+                ours.prompt_logprobs[pos][token].logprob - ref.prompt_logprobs[pos][token].logprob
+            )
+            assert abs(diff) < 1e-4, (pos, diff)
