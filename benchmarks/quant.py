@@ -13,6 +13,7 @@ Variants (each in its own subprocess, one after another, so they never share the
   int4       int4_w4a16 (group 128, symmetric) on the linear layers, int8 on the LM head
              (llama.cpp's Q4_0 and Q4_K_M keep the output matrix at 6 bits, q6_K)
   w8a8       int8_w8a8 on the linear layers, LM head bf16 (vLLM's W8A8 checkpoints keep it)
+  fp8        fp8_w8a16 on the linear layers (the shorthand: LM head unquantized)
   int8-nohead / int4-nohead   the shorthands as they are (LM head unquantized)
   ckpt       --ckpt-model as stored (a W8A8 compressed-tensors checkpoint: the one
              --vllm-model serves, so both engines run the same weights)
@@ -45,6 +46,7 @@ VARIANTS: dict[str, dict] = {
         "quantization_config": {"targets": {"*": "int4_w4a16", **HEAD_INT8}},
     },
     "w8a8": {"quantization": "int8_w8a8"},
+    "fp8": {"quantization": "fp8"},
     "int8-nohead": {"quantization": "int8"},
     "int4-nohead": {"quantization": "int4"},
     # --ckpt-model: a pre-quantized checkpoint as it is (benchmarks/anchors/make_w8a8.py)
@@ -52,14 +54,14 @@ VARIANTS: dict[str, dict] = {
 }
 
 
-def run_variant(model: str, variant: str, reps: int, workloads: list[str]) -> dict:
+def run_variant(model: str, variant: str, reps: int, workloads: list[str], dtype: str) -> dict:
     from minivllm import LLM, SamplingParams
     from minivllm.kernels.isa import cpu_model, isa_summary
 
     start = time.perf_counter()
     llm = LLM(
         model,
-        dtype="bfloat16",
+        dtype=dtype,
         max_model_len=1024,
         enable_prefix_caching=False,
         **VARIANTS[variant],
@@ -108,13 +110,19 @@ def main() -> None:
     anchors.add_argument(
         "--vllm-workloads", nargs="+", choices=WORKLOADS, help="default: --workloads"
     )
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="the engines' dtype (default auto: bf16 where the CPU has AVX512-BF16, else "
+        "float32 on the AVX2 kernels, the bf16 variant's weights still bf16 panels)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import torch
 
         torch.set_num_threads(args.threads)
-        result = run_variant(args.model, args.child, args.reps, args.workloads)
+        result = run_variant(args.model, args.child, args.reps, args.workloads, args.dtype)
         print("RESULT " + json.dumps(result), flush=True)
         return
     rounds: list[dict] = []
@@ -128,6 +136,8 @@ def main() -> None:
             cmd += [
                 "--threads",
                 str(args.threads),
+                "--dtype",
+                args.dtype,
                 "--reps",
                 str(args.reps),
                 "--workloads",

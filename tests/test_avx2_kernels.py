@@ -124,6 +124,12 @@ def test_fp32_engine_on_bf16_weights_matches_transformers(make_checkpoint):
     # the tied head too, and the embedding reads its rows from the head's panels
     assert model.lm_head.weight.dim() == 3
     assert model.model.embed_tokens.weight is model.lm_head.weight
+    # the AVX2 family's norms and SiLU-and-mul serve the fp32 engine (they were built but
+    # not registered for a while, and the plain paths ran silently)
+    block = model.model.layers[0]
+    assert block.input_layernorm.rms_norm_op is not None
+    assert block.post_attention_layernorm.add_rms_norm_op is not None
+    assert block.mlp.act_fn.op is not None
     prompts = [[5, 9, 33, 120, 7], list(range(40, 90))]
     params = SamplingParams(
         temperature=0, max_tokens=8, ignore_eos=True, logprobs=0, prompt_logprobs=0

@@ -100,7 +100,18 @@ register_family(
     AVX2,
     ("avx2", "fma"),
     _load_avx2,
-    {op: op for op in ("linear_bf16w", "linear_int8w", "linear_quantw", "paged_attention_decode")},
+    {
+        op: op
+        for op in (
+            "linear_bf16w",
+            "linear_int8w",
+            "linear_quantw",
+            "paged_attention_decode",
+            "rms_norm",
+            "fused_add_rms_norm",
+            "silu_and_mul",
+        )
+    },
 )
 
 
