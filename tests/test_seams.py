@@ -209,7 +209,8 @@ def test_kernels_are_chosen_by_device_dtype_and_isa():
     fp32 = select_kernels("cpu", torch.float32)
     if {"avx2", "fma"} <= cpu_flags():
         assert fp32.name == "cpu-avx2"
-        assert fp32.op("linear_bf16w") is not None and fp32.op("rms_norm") is None
+        assert fp32.op("linear_bf16w") is not None and fp32.op("rms_norm") is not None
+        assert fp32.op("rotary_inplace") is None  # a bf16-family op only
     else:
         assert fp32 is TORCH
     assert select_kernels("cpu", torch.float16) is TORCH

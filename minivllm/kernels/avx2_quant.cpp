@@ -5,12 +5,12 @@
 // y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) with w the scheme's dequantized weight:
 // int8 q * s[n], fp8 e4m3(q) * s[n], int4 (q - z[n, g]) * s[n, g] in groups of G k.
 //
-// Up to 16 rows (decode, small batches) the product is the register form, R weight rows
+// Up to 8 rows (decode, small batches) the product is the register form, R weight rows
 // at a time: a unit of a row (16 k of int8 or fp8, 32 k of int4) is turned into fp32
 // vectors in registers, multiplied into two accumulators per (x row, weight row) that
 // alternate (two chains of FMA latency, not one), and each group's sum is scaled once at
 // the group's end. Each weight byte is read once per call from memory (once per pair of
-// rows from L1), and R rows share each x load. Past 16 rows (larger batches, prefill) the
+// rows from L1), and R rows share each x load. Past 8 rows (larger batches, prefill) the
 // bf16 panels' GEMM micro-kernel (avx2_gemm.h) runs on fp32 panels dequantized from the
 // rows block by block, each weight decoded once per call.
 //
@@ -221,21 +221,22 @@ void prepare_int4_x(const float* x, int64_t M, int64_t K, int64_t G, float* xp, 
   }
 }
 
-// Row n's k .. k + 7 dequantized (k a multiple of 8; int4 chunks hold k 0-15 in the low
-// nibbles of their 16 bytes and 16-31 in the high ones).
-inline __m256 dequantize8(const Operands& o, int64_t kind, int64_t n, int64_t k) {
-  const uint8_t* q = o.q + n * o.row_bytes;
-  if (kind == KIND_INT4) {
-    const int64_t g = n * o.groups + k / o.group_k;
-    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k / 32 * 16 + k % 16));
+// 8 consecutive k (k a multiple of 8) of a row as stored, before scale and zero point:
+// int8 q, fp8's e4m3 number, int4's q in [0, 15] (chunks hold k 0-15 in the low nibbles of
+// their 16 bytes and 16-31 in the high ones).
+struct Int8Raw {
+  static inline __m256 raw8(const uint8_t* row, int64_t k) { return int8x8(row + k); }
+};
+struct Fp8Raw {
+  static inline __m256 raw8(const uint8_t* row, int64_t k) { return fp8x8(row + k); }
+};
+struct Int4Raw {
+  static inline __m256 raw8(const uint8_t* row, int64_t k) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 32 * 16 + k % 16));
     if (k % 32 >= 16) b = _mm_srli_epi16(b, 4);
-    const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
-    const __m256 z = _mm256_set1_ps(o.zero ? o.zero[g] : 8.f);
-    return _mm256_mul_ps(_mm256_sub_ps(v, z), _mm256_set1_ps(o.scale[g]));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
   }
-  const __m256 v = kind == KIND_FP8 ? fp8x8(q + k) : int8x8(q + k);
-  return _mm256_mul_ps(v, _mm256_set1_ps(o.scale[n]));
-}
+};
 
 // v[r][i] -> v[i][r] for an 8 x 8 block of fp32.
 inline void transpose8(__m256 v[8]) {
@@ -256,6 +257,37 @@ inline void transpose8(__m256 v[8]) {
   }
 }
 
+// Rows n0 .. n0 + 7 (those past N as zeros), k in [k0, k0 + kn), dequantized into the
+// k-major panel block: dst[k * 16 + r] for k from 0. Each 8 x 8 block is decoded row by
+// row as stored, transposed in registers, then scaled (and int4's zero point subtracted)
+// with one vector per 8 rows: per-channel scales are fixed for the block, int4's change
+// at each group's first k.
+template <class Raw>
+inline void fill_half_panel(const Operands& o, int64_t n0, int64_t k0, int64_t kn, float* dst) {
+  using avx2_gemm::PANEL;
+  const int rows = static_cast<int>(std::min<int64_t>(8, o.N - n0));
+  const uint8_t* q[8];
+  for (int r = 0; r < 8; ++r) q[r] = o.q + (n0 + std::min(r, rows - 1)) * o.row_bytes;
+  alignas(32) float s[8] = {}, z[8] = {};
+  int64_t next_group = k0;  // the k at which the scales change next
+  for (int64_t k = 0; k < kn; k += 8) {
+    const int64_t kk = k0 + k;
+    if (kk >= next_group) {  // a group's first k (per-channel schemes: once)
+      const int64_t g = kk / o.group_k;
+      next_group = (g + 1) * o.group_k;
+      for (int r = 0; r < rows; ++r) {
+        s[r] = o.scale[(n0 + r) * o.groups + g];
+        z[r] = o.int4 ? (o.zero ? o.zero[(n0 + r) * o.groups + g] : 8.f) : 0.f;
+      }
+    }
+    const __m256 sv = _mm256_load_ps(s), zv = _mm256_load_ps(z);
+    __m256 v[8];
+    for (int r = 0; r < 8; ++r) v[r] = Raw::raw8(q[r], kk);
+    transpose8(v);
+    for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (k + i) * PANEL, _mm256_mul_ps(_mm256_sub_ps(v[i], zv), sv));
+  }
+}
+
 // Batched decode (a few rows to a few dozen): the bf16 panels' GEMM micro-kernel
 // (avx2_gemm.h) on fp32 panels dequantized from the rows. Threads split the panels (16
 // weight rows each); a panel's KC-k block is dequantized row by row (16 x KC floats, L1),
@@ -263,7 +295,8 @@ inline void transpose8(__m256 v[8]) {
 // once per call however many rows there are. x is packed once, for every thread. K must
 // be a multiple of 8 (the decoding runs 8 k x 8 rows at a time, transposed in registers).
 // ypad: [M, ldy] with ldy = 16 * panels (the last panel's rows past N are zero weights).
-void panel_product(const Operands& o, int64_t kind, const float* x, float* ypad, int64_t ldy) {
+template <class Raw>
+void panel_product(const Operands& o, const float* x, float* ypad, int64_t ldy) {
   using namespace avx2_gemm;
   const int64_t M = o.M, K = o.K, panels = (o.N + PANEL - 1) / PANEL, m_pad = (M + 5) / 6 * 6;
   std::vector<float> packed(m_pad * K);  // k-block k0's tiles at k0 * m_pad
@@ -274,16 +307,8 @@ void panel_product(const Operands& o, int64_t kind, const float* x, float* ypad,
     for (int64_t p = begin; p < end; ++p) {
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kn = std::min(KC, K - k0);
-        for (int half = 0; half < 2; ++half) {  // rows 0-7, then 8-15 of the panel
-          const int64_t n0 = p * PANEL + 8 * half;
-          for (int64_t k = 0; k < kn; k += 8) {
-            __m256 v[8];
-            for (int r = 0; r < 8; ++r)
-              v[r] = n0 + r < o.N ? dequantize8(o, kind, n0 + r, k0 + k) : _mm256_setzero_ps();
-            transpose8(v);
-            for (int i = 0; i < 8; ++i) _mm256_store_ps(wide + (k + i) * PANEL + 8 * half, v[i]);
-          }
-        }
+        for (int half = 0; half < 2; ++half)  // rows 0-7, then 8-15 of the panel
+          fill_half_panel<Raw>(o, p * PANEL + 8 * half, k0, kn, wide + 8 * half);
         for (int64_t t = 0; t < M; t += 6) {
           const int tile_rows = static_cast<int>(std::min<int64_t>(6, M - t));
           micro_rows<true>(tile_rows, packed.data() + k0 * m_pad + t * kn, 1, 6, wide, kn,
@@ -295,12 +320,12 @@ void panel_product(const Operands& o, int64_t kind, const float* x, float* ypad,
 }
 
 // Rows up to which the register form runs: it decodes the weights again for every pair of
-// rows, the panel form once per call but at ~2.5 cycles a weight (dequantize, transpose).
-// Measured on an AMD EPYC (Zen 3), 2 threads, the 0.6B shape's layer, ms per call, register
-// / panel form: 4 rows 2.3-3.7 / 6.6-8.5, 8 rows 4.8-7.4 / 6.5-9.9, 16 rows 9.4-15.4 /
-// 10.3-13.0, 32 rows 20-34 / 13-17 (`python benchmarks/avx2_quant.py`). At 512 rows the
-// panel form ran 1.3-1.7x the bf16 panels' path (widened weight, MKL's GEMM).
-constexpr int64_t REGISTER_MAX_ROWS = 16;
+// rows, the panel form once per call (8 x 8 blocks: decode, transpose, scale). Measured on
+// an AMD EPYC (Zen 3), 2 threads, the 0.6B shape's layer, ms per call for int8 / int4 /
+// fp8, register form then panel form: 4 rows 2.8 3.3 3.5 / 4.7 4.8 5.4; 8 rows 4.2 5.8
+// 6.2 / 6.2 6.2 6.6; 16 rows 8.7 11.9 13.0 / 8.9 8.1 9.0 (`python benchmarks/avx2_quant.py`).
+// At 512 rows the panel form ran 1.3-1.7x the bf16 panels' then path (widened weight, MKL).
+constexpr int64_t REGISTER_MAX_ROWS = 8;
 
 }  // namespace
 
@@ -341,7 +366,13 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
   if (M > REGISTER_MAX_ROWS && K % 8 == 0) {
     const int64_t ldy = (N + avx2_gemm::PANEL - 1) / avx2_gemm::PANEL * avx2_gemm::PANEL;
     auto ypad = ldy == N ? y : torch::empty({M, ldy}, x.options());
-    panel_product(o, kind, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
+    if (int4) {
+      panel_product<Int4Raw>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
+    } else if (kind == KIND_FP8) {
+      panel_product<Fp8Raw>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
+    } else {
+      panel_product<Int8Raw>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
+    }
     if (ldy != N) y.copy_(ypad.narrow(1, 0, N));
   } else if (int4) {
     std::vector<float> xp(M * K), xsum(M * groups);
