@@ -76,19 +76,24 @@ def test_linear_quantw_matches_float64(avx2, scheme, group, symmetric, m, n, k):
 @pytest.mark.parametrize("m", [1, 40])
 def test_fp8_decoding_ignores_flush_to_zero(avx2, m):
     """fp8's subnormal codes decode through fp32 subnormals: the op keeps them even when the
-    caller's thread flushes denormals (torch.set_flush_denormal sets MXCSR's DAZ/FTZ)."""
-    q = torch.arange(256, dtype=torch.uint8)
-    q = q[(q & 0x7F) != 0x7F].reshape(1, -1)[:, :224]  # every code but NaN, K = 224
-    qw = formats.from_fp8_values(q.repeat(8, 1), torch.ones(8))
-    x = torch.ones(m, 224)
+    caller's threads flush denormals (torch.set_flush_denormal sets MXCSR's DAZ/FTZ), and
+    leaves the caller's setting as it found it. Rows of positive subnormal codes only
+    (0x01-0x07, m * 2^-9) with positive x: flushed, every output would be 0; 64 rows so
+    both threads' chunks run."""
+    codes = torch.arange(1, 8, dtype=torch.uint8).repeat(32)  # K = 224
+    qw = formats.from_fp8_values(codes.repeat(64, 1), torch.ones(64))
+    x = torch.rand(m, 224) + 0.5
     ref = x.double() @ formats.dequantize(qw).double().T
+    assert bool((ref > 0).all())
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
         y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, None, 0, None)
+        still_flushing = torch.tensor([1e-39]) * 1.0
     finally:
         torch.set_flush_denormal(False)
     assert torch.allclose(y.double(), ref, rtol=1e-6, atol=0)
+    assert float(still_flushing) == 0.0  # the caller's MXCSR restored
 
 
 @needs_avx2
@@ -103,6 +108,26 @@ def test_linear_quantw_rejects_bad_operands(avx2):
         avx2.linear_quantw(torch.randn(2, 32), qw.kind, qw.weight, qw.scale, None, 32, None)
     with pytest.raises(RuntimeError, match="scale"):
         avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale[:4], None, 32, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, None, 32, torch.ones(1))
+
+
+@needs_avx2
+@pytest.mark.parametrize("m", [1, 5, 9, 40])
+def test_int8_w8a8_in_fp32_matches_the_reference_exactly(avx2, m):
+    """int8_w8a8 in an fp32 engine (`QuantizedLinearMethod._apply_fp32`): the quantized
+    activations' integer sums are exact in fp32 (below 2^24), then scaled in the
+    reference's order, so the result equals `formats.reference_linear` bit for bit."""
+    from minivllm.quantization.config import SchemeSpec
+    from minivllm.quantization.method import QuantizedLinearMethod
+
+    gen = torch.Generator().manual_seed(m)
+    qw = formats.quantize(torch.randn(48, 256, generator=gen), "int8_w8a8")
+    method = QuantizedLinearMethod(SchemeSpec("int8_w8a8"))
+    method.fp32_op, method.quant_weights = avx2.linear_quantw, qw
+    x, bias = torch.randn(m, 256, generator=gen), torch.randn(48, generator=gen)
+    ours = method._apply_fp32(x, qw, bias)
+    assert torch.equal(ours, formats.reference_linear(x, qw, bias))
 
 
 @needs_avx2

@@ -130,16 +130,16 @@ inline void dot_tile(const Operands& o, int64_t m0, int64_t n0, float* y) {
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
   float tail[MR][R] = {};  // per-channel schemes' last K % 16, and int4's zero terms
-  const uint8_t* next = o.q + (n0 + R) * o.row_bytes;
-  const uint8_t* end = o.q + o.N * o.row_bytes;
+  // byte offsets, compared before a pointer is formed (none past the rows' end)
+  const int64_t next = (n0 + R) * o.row_bytes, end = o.N * o.row_bytes;
   for (int64_t g = 0; g < o.groups; ++g) {
     __m256 a[MR][R], b[MR][R];
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < R; ++r) a[m][r] = b[m][r] = _mm256_setzero_ps();
     const int64_t k0 = g * o.group_k, k1 = k0 + o.group_k, kv = k0 + (o.group_k & ~(U::kK - 1));
     for (int64_t k = k0; k < kv; k += U::kK) {
-      const uint8_t* ahead = next + k * U::kBytes / U::kK * R;
-      if (ahead < end) _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
+      const int64_t ahead = next + k * U::kBytes / U::kK * R;
+      if (ahead < end) _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead), _MM_HINT_T0);
       // one weight row's unit at a time: its kVec vectors and the 2 MR R accumulators fit
       // the 16 ymm registers, x comes from L1 as FMA memory operands
       for (int r = 0; r < R; ++r) {
@@ -354,7 +354,10 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
                 "zero: float32 [N, K / G]");
   x = x.contiguous();
   torch::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == N, "bias: [N]");
+    b = bias->to(at::kFloat).contiguous();
+  }
   Operands o{x.data_ptr<float>(),
              reinterpret_cast<const uint8_t*>(weight.data_ptr()),
              scale.data_ptr<float>(),

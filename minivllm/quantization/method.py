@@ -57,6 +57,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.op = None  # the compiled quant_linear, where used
         self.quantize_rows = None  # the compiled per-token int8 quantizer, with it
         self.fp32_op = None  # the AVX2 family's linear_quantw, for fp32 engines
+        self._unit_scale: torch.Tensor | None = None  # int8_w8a8 there: ones, per channel
         self.amx_op = None  # int8_w8a8's AMX GEMM past a few rows, where the CPU has AMX-INT8
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
         self.w8a8_kernel_rows = 0  # int8_w8a8: rows for quant_linear before the packed copy
@@ -191,14 +192,18 @@ class QuantizedLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         """The AVX2 op in an fp32 engine. int8_w8a8 has no int8 arithmetic there (AVX2 has
         no VNNI): its activations are quantized per token as the scheme says, and the
-        integers multiplied in fp32, which holds their products exactly and sums them as
-        the reference does in another order: y = (xq q^T) * scale[n] * xs[m] (+ bias)."""
+        integers multiplied in fp32, which holds their products and (below 2^24) their
+        sums exactly: y = ((xq q^T) * xs[m]) * scale[n] (+ bias), the reference's numbers."""
         if qw.scheme != "int8_w8a8":
             return self.fp32_op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias)
         xq, xs = formats.quantize_per_token(rows)
-        kind = formats.KIND_INT8_W8A16  # the same int8 rows, read as weight-only
-        out = self.fp32_op(xq.to(torch.float32), kind, qw.weight, qw.scale, None, 0, None)
-        out.mul_(xs[:, None])
+        if self._unit_scale is None or self._unit_scale.numel() != qw.out_features:
+            self._unit_scale = torch.ones(qw.out_features)
+        # the same int8 rows read as weight-only with scale 1: the integer sums come out
+        # exact (below 2^24), then scaled in the reference's order, (acc * xs) * scale
+        kind = formats.KIND_INT8_W8A16
+        acc = self.fp32_op(xq.to(torch.float32), kind, qw.weight, self._unit_scale, None, 0, None)
+        out = acc.mul_(xs[:, None]).mul_(qw.scale)
         return out if bias is None else out.add_(bias)
 
     def _dequantized(self, qw: formats.QuantWeights) -> torch.Tensor:
