@@ -84,25 +84,35 @@ inline float fp8_scalar(uint8_t b) {
   return f * 0x1p120f;
 }
 
-// A scheme's unit: kK k in kBytes bytes, decoded into kVec vectors matching x's layout;
-// `scalar` decodes one k of a per-channel scheme (a row's last K % 16).
+// A scheme's unit: kK k in kBytes bytes, decoded into kVec vectors matching x's layout
+// (the register form); `scalar` decodes one k of a per-channel scheme (a row's last K %
+// 16); `raw8` decodes 8 consecutive k of a row (k a multiple of 8) in natural order, before
+// scale and zero point (the panel form).
 struct Int8Unit {
   static constexpr int64_t kK = 16, kBytes = 16;
   static constexpr int kVec = 2;
   static inline void decode(const uint8_t* p, __m256* w) { w[0] = int8x8(p), w[1] = int8x8(p + 8); }
   static inline float scalar(uint8_t b) { return static_cast<float>(static_cast<int8_t>(b)); }
+  static inline __m256 raw8(const uint8_t* row, int64_t k) { return int8x8(row + k); }
 };
 struct Fp8Unit {
   static constexpr int64_t kK = 16, kBytes = 16;
   static constexpr int kVec = 2;
   static inline void decode(const uint8_t* p, __m256* w) { w[0] = fp8x8(p), w[1] = fp8x8(p + 8); }
   static inline float scalar(uint8_t b) { return fp8_scalar(b); }
+  static inline __m256 raw8(const uint8_t* row, int64_t k) { return fp8x8(row + k); }
 };
 struct Int4Unit {
   static constexpr int64_t kK = 32, kBytes = 16;
   static constexpr int kVec = 4;
   static inline void decode(const uint8_t* p, __m256* w) { int4x32(p, w); }
   static inline float scalar(uint8_t) { return 0.f; }  // int4 rows have no tail (K % 32 == 0)
+  // k's chunk holds k 0-15 in the low nibbles of its 16 bytes and 16-31 in the high ones
+  static inline __m256 raw8(const uint8_t* row, int64_t k) {
+    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 32 * 16 + k % 16));
+    if (k % 32 >= 16) b = _mm_srli_epi16(b, 4);
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
+  }
 };
 
 // What one product needs: x (prepared), the rows, per-group scales (and int4 zeros).
@@ -221,23 +231,6 @@ void prepare_int4_x(const float* x, int64_t M, int64_t K, int64_t G, float* xp, 
   }
 }
 
-// 8 consecutive k (k a multiple of 8) of a row as stored, before scale and zero point:
-// int8 q, fp8's e4m3 number, int4's q in [0, 15] (chunks hold k 0-15 in the low nibbles of
-// their 16 bytes and 16-31 in the high ones).
-struct Int8Raw {
-  static inline __m256 raw8(const uint8_t* row, int64_t k) { return int8x8(row + k); }
-};
-struct Fp8Raw {
-  static inline __m256 raw8(const uint8_t* row, int64_t k) { return fp8x8(row + k); }
-};
-struct Int4Raw {
-  static inline __m256 raw8(const uint8_t* row, int64_t k) {
-    __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 32 * 16 + k % 16));
-    if (k % 32 >= 16) b = _mm_srli_epi16(b, 4);
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
-  }
-};
-
 // v[r][i] -> v[i][r] for an 8 x 8 block of fp32.
 inline void transpose8(__m256 v[8]) {
   __m256 t[8], u[8];
@@ -262,7 +255,7 @@ inline void transpose8(__m256 v[8]) {
 // row as stored, transposed in registers, then scaled (and int4's zero point subtracted)
 // with one vector per 8 rows: per-channel scales are fixed for the block, int4's change
 // at each group's first k.
-template <class Raw>
+template <class U>
 inline void fill_half_panel(const Operands& o, int64_t n0, int64_t k0, int64_t kn, float* dst) {
   using avx2_gemm::PANEL;
   const int rows = static_cast<int>(std::min<int64_t>(8, o.N - n0));
@@ -282,7 +275,7 @@ inline void fill_half_panel(const Operands& o, int64_t n0, int64_t k0, int64_t k
     }
     const __m256 sv = _mm256_load_ps(s), zv = _mm256_load_ps(z);
     __m256 v[8];
-    for (int r = 0; r < 8; ++r) v[r] = Raw::raw8(q[r], kk);
+    for (int r = 0; r < 8; ++r) v[r] = U::raw8(q[r], kk);
     transpose8(v);
     for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (k + i) * PANEL, _mm256_mul_ps(_mm256_sub_ps(v[i], zv), sv));
   }
@@ -290,12 +283,12 @@ inline void fill_half_panel(const Operands& o, int64_t n0, int64_t k0, int64_t k
 
 // Batched decode (a few rows to a few dozen): the bf16 panels' GEMM micro-kernel
 // (avx2_gemm.h) on fp32 panels dequantized from the rows. Threads split the panels (16
-// weight rows each); a panel's KC-k block is dequantized row by row (16 x KC floats, L1),
-// turned k-major, and every tile of 6 x rows multiplies it, so each weight is decoded
-// once per call however many rows there are. x is packed once, for every thread. K must
-// be a multiple of 8 (the decoding runs 8 k x 8 rows at a time, transposed in registers).
+// weight rows each); a panel's KC-k block is dequantized k-major (fill_half_panel, 16 KB,
+// L1) and every tile of 6 x rows multiplies it, so each weight is decoded once per call
+// however many rows there are. x is packed once, for every thread. K must be a multiple
+// of 8 (the decoding runs 8 k x 8 rows at a time).
 // ypad: [M, ldy] with ldy = 16 * panels (the last panel's rows past N are zero weights).
-template <class Raw>
+template <class U>
 void panel_product(const Operands& o, const float* x, float* ypad, int64_t ldy) {
   using namespace avx2_gemm;
   const int64_t M = o.M, K = o.K, panels = (o.N + PANEL - 1) / PANEL, m_pad = (M + 5) / 6 * 6;
@@ -308,7 +301,7 @@ void panel_product(const Operands& o, const float* x, float* ypad, int64_t ldy) 
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kn = std::min(KC, K - k0);
         for (int half = 0; half < 2; ++half)  // rows 0-7, then 8-15 of the panel
-          fill_half_panel<Raw>(o, p * PANEL + 8 * half, k0, kn, wide + 8 * half);
+          fill_half_panel<U>(o, p * PANEL + 8 * half, k0, kn, wide + 8 * half);
         for (int64_t t = 0; t < M; t += 6) {
           const int tile_rows = static_cast<int>(std::min<int64_t>(6, M - t));
           micro_rows<true>(tile_rows, packed.data() + k0 * m_pad + t * kn, 1, 6, wide, kn,
@@ -370,11 +363,11 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
     const int64_t ldy = (N + avx2_gemm::PANEL - 1) / avx2_gemm::PANEL * avx2_gemm::PANEL;
     auto ypad = ldy == N ? y : torch::empty({M, ldy}, x.options());
     if (int4) {
-      panel_product<Int4Raw>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
+      panel_product<Int4Unit>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
     } else if (kind == KIND_FP8) {
-      panel_product<Fp8Raw>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
+      panel_product<Fp8Unit>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
     } else {
-      panel_product<Int8Raw>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
+      panel_product<Int8Unit>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
     }
     if (ldy != N) y.copy_(ypad.narrow(1, 0, N));
   } else if (int4) {

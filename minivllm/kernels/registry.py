@@ -104,7 +104,6 @@ register_family(
         op: op
         for op in (
             "linear_bf16w",
-            "linear_int8w",
             "linear_quantw",
             "paged_attention_decode",
             "rms_norm",

@@ -235,7 +235,10 @@ class QuantizedLinearMethod(LinearMethodBase):
 
 def _why_not(op: object, qw: formats.QuantWeights) -> str:
     if op is None:
-        return "the engine has no compiled kernels (float32 dtype, kernels off, or CPU lacks AVX512-BF16)"
+        return (
+            "the engine has no compiled kernels for its dtype here (kernels off; a CPU "
+            "without AVX2 + FMA for float32, without AVX512-BF16 for bfloat16)"
+        )
     if not formats.kernel_supports(qw.scheme):
         return "this CPU lacks the instructions it needs (int8_w8a8: AVX512-VNNI)"
     return (
