@@ -36,12 +36,12 @@ from minivllm.quantization.formats import (
     from_fp8_values,
     from_int4_values,
     from_int8_values,
-    is_amx_packed,
     kernel_supports,
     kernel_supports_shape,
     onednn_int8_available,
     pack_amx_w8a8,
     pack_int4,
+    pack_vnni_w8a8,
     prepack_w8a8,
     quantize,
     quantize_per_token,
@@ -213,9 +213,11 @@ def test_w8a8_kernel_takes_minus_128_weights():
         x = torch.randn(rows, 96).bfloat16()
         got = kernels.quant_linear(x, qw.kind, qw.weight, qw.scale, None, qw.wsum, 0, None)
         assert_matches_reference(got, x, qw, None)
-    if onednn_int8_available():  # and oneDNN's int8 GEMM, at large batches
-        prepack_w8a8(qw)
-        x = torch.randn(40, 96).bfloat16()
+    x = torch.randn(40, 96).bfloat16()  # and the VNNI GEMM, at large batches
+    got = kernels.vnni_w8a8_linear(x, pack_vnni_w8a8(qw.weight), 96, qw.scale, qw.wsum, None)
+    assert torch.equal(got, reference_linear(x, qw, None))
+    if onednn_int8_available():  # and oneDNN's int8 GEMM
+        prepack_w8a8(qw, "onednn")
         assert_matches_reference(w8a8_large_batch(x, qw), x, qw, None)
 
 
@@ -249,7 +251,7 @@ def test_quantize_per_token_int8_equals_the_reference_bit_for_bit():
 @pytest.mark.parametrize("rows", [1, 17, 130])
 def test_w8a8_onednn_large_batch_matches_the_reference(rows):
     qw = quantize(_weights(96, 512, rows), "int8_w8a8")
-    prepack_w8a8(qw)
+    prepack_w8a8(qw, "onednn")
     x = torch.randn(rows, 512).bfloat16()
     bias = torch.randn(96).bfloat16()
     for quantize_rows in (None, get_cpu_kernels().quantize_per_token_int8):
@@ -278,23 +280,6 @@ def test_pack_amx_w8a8_puts_each_weight_where_the_tiles_read_it():
 
 
 @needs_amx
-@pytest.mark.parametrize("rows, n, k", [(1, 32, 64), (5, 40, 96), (33, 100, 1040), (70, 64, 512)])
-def test_amx_w8a8_matches_the_reference(rows, n, k):
-    """AMX-INT8's exact int32 sums, the per-token and per-channel scales and the bias fused
-    in its epilogue: the reference's numbers (partial blocks of rows, outputs and k too)."""
-    q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n + k))
-    qw = from_int8_values(q.to(torch.int8), torch.rand(n) / 100, "int8_w8a8")
-    packed = pack_amx_w8a8(qw.weight)
-    gen = torch.Generator().manual_seed(rows)
-    x = (3 * torch.randn(rows, k, generator=gen)).bfloat16()
-    x[0] = 0.0  # a zero row: scale 1, all-zero output but the bias
-    bias = torch.randn(n, generator=gen).bfloat16()
-    for b in (None, bias):
-        got = get_cpu_kernels().amx_w8a8_linear(x, packed, k, qw.scale, b)
-        assert_matches_reference(got, x, qw, b)
-
-
-@needs_amx
 def test_amx_w8a8_rejects_mismatched_inputs():
     kernels = get_cpu_kernels()
     qw = quantize(_weights(40, 128, 1), "int8_w8a8")
@@ -310,6 +295,72 @@ def test_amx_w8a8_rejects_mismatched_inputs():
         kernels.amx_w8a8_linear(x, qw.weight, 128, qw.scale, None)
     with pytest.raises(RuntimeError, match="bias"):
         kernels.amx_w8a8_linear(x, packed, 128, qw.scale, torch.ones(3).bfloat16())
+
+
+def test_pack_vnni_w8a8_puts_each_weight_where_the_gemm_reads_it():
+    q = torch.randint(-128, 128, (70, 152), generator=torch.Generator().manual_seed(5))
+    q = q.to(torch.int8)
+    packed = pack_vnni_w8a8(q)
+    assert packed.shape == (3, 38, 32, 4)  # 70 rows -> 3 panels of 32, 152 k -> 38 quads
+    for n, k in [(0, 0), (17, 5), (33, 64), (69, 151), (40, 127)]:
+        assert packed[n // 32, k // 4, n % 32, k % 4] == q[n, k]
+    assert packed.flatten().abs().sum() == q.abs().sum()  # padding is zeros
+    assert packed[2, :, 6:].abs().sum() == 0  # rows 70..95 do not exist
+    with pytest.raises(ValueError, match="multiple of 4"):
+        pack_vnni_w8a8(q[:, :150])
+
+
+@needs_vnni
+@pytest.mark.parametrize("layout", ["vnni", "amx"])
+@pytest.mark.parametrize(
+    "rows, n, k", [(1, 32, 64), (5, 40, 96), (13, 100, 1040), (70, 64, 512), (300, 48, 2048)]
+)
+def test_w8a8_gemms_on_packed_copies_match_the_reference(layout, rows, n, k):
+    """Our int8_w8a8 GEMMs (w8a8_packed_linear on formats.prepack_w8a8's layouts): exact
+    int32 sums (the VNNI GEMM's unsigned x + 128, less 128 x the weight's row sums; AMX's
+    signed tiles), the per-token and per-channel scales and the bias applied as each tile
+    leaves the registers. Partial tiles of rows, outputs and k, and x in several chunks.
+    The VNNI GEMM scales in the reference's order: its numbers bit for bit."""
+    if layout == "amx" and not _amx_available():
+        pytest.skip("CPU (or Linux) lacks AMX-INT8")
+    q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n + k))
+    qw = from_int8_values(q.to(torch.int8), torch.rand(n) / 100, "int8_w8a8")
+    prepack_w8a8(qw, layout)
+    gen = torch.Generator().manual_seed(rows)
+    x = (3 * torch.randn(rows, k, generator=gen)).bfloat16()
+    x[0] = 0.0  # a zero row: scale 1, all-zero output but the bias
+    bias = torch.randn(n, generator=gen).bfloat16()
+    for b in (None, bias):
+        got = get_cpu_kernels().w8a8_packed_linear(x, qw.packed, k, qw.scale, qw.wsum, b)
+        assert_matches_reference(got, x, qw, b)
+        if layout == "vnni":
+            assert torch.equal(got, reference_linear(x, qw, b))
+
+
+@needs_vnni
+def test_vnni_w8a8_gemm_rejects_mismatched_inputs():
+    kernels = get_cpu_kernels()
+    qw = quantize(_weights(40, 128, 1), "int8_w8a8")
+    packed = pack_vnni_w8a8(qw.weight)
+    x = torch.randn(3, 128).bfloat16()
+
+    def call(**overrides):
+        args = dict(x=x, packed=packed, k=128, scale=qw.scale, wsum=qw.wsum, bias=None)
+        args.update(overrides)
+        return kernels.vnni_w8a8_linear(*args.values())
+
+    assert call().shape == (3, 40) and call(x=x[:0]).shape == (0, 40)
+    for overrides, message in [
+        (dict(x=torch.randn(3, 96).bfloat16()), "x has K=96, the weight 128"),
+        (dict(x=x.float()), "x must be bf16"),
+        (dict(scale=torch.ones(80), wsum=torch.zeros(80, dtype=torch.int32)), "scale has N=80"),
+        (dict(wsum=qw.wsum[:4]), "wsum must be int32"),
+        (dict(packed=qw.weight), "pack_vnni_w8a8"),
+        (dict(packed=pack_amx_w8a8(qw.weight)), "pack_vnni_w8a8"),
+        (dict(bias=torch.ones(3).bfloat16()), "bias"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            call(**overrides)
 
 
 @needs_bf16
@@ -387,7 +438,7 @@ def test_schemes_and_kinds_agree():
 
 class _KernelQuantMethod(LinearMethodBase):
     """A stand-in for a quantized linear method: a bf16 layer's weight, quantized, applied
-    with the kernels (AMX or oneDNN past w8a8_max_kernel_rows for a prepacked int8_w8a8)."""
+    with the kernels (a GEMM on the packed copy past w8a8_max_kernel_rows for int8_w8a8)."""
 
     def __init__(self, weights: QuantWeights) -> None:
         self.quant_weights = weights
@@ -400,10 +451,7 @@ class _KernelQuantMethod(LinearMethodBase):
         kernels, qw = get_cpu_kernels(), self.quant_weights
         rows = x.reshape(-1, qw.in_features)
         if qw.packed is not None and rows.shape[0] > w8a8_max_kernel_rows(qw.packed):
-            if is_amx_packed(qw.packed):
-                y = kernels.amx_w8a8_linear(rows, qw.packed, qw.in_features, qw.scale, bias)
-            else:
-                y = w8a8_large_batch(rows, qw, bias, kernels.quantize_per_token_int8)
+            y = kernels.w8a8_packed_linear(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
         else:
             args = (qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
             y = kernels.quant_linear(rows, *args)
@@ -411,7 +459,7 @@ class _KernelQuantMethod(LinearMethodBase):
 
 
 @needs_vnni
-@pytest.mark.parametrize("packing", ["onednn", "amx"])
+@pytest.mark.parametrize("packing", ["onednn", "amx", "vnni"])
 def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_checkpoint, packing):
     """Every quant kind in one model (a kind per linear): the one-call decode step and the
     per-layer path run the same kernels, so their outputs are equal bit for bit."""
@@ -435,7 +483,7 @@ def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_chec
         scheme, symmetric, group = formats[i % len(formats)]
         qw = _quantize(scheme, bool(symmetric), group, linear.weight.float())
         if scheme == "int8_w8a8":  # batches past w8a8_max_kernel_rows run the packed copy
-            prepack_w8a8(qw, amx=packing == "amx")
+            prepack_w8a8(qw, packing)
         linear.quant_method = _KernelQuantMethod(qw)
     fused_step, reason = FusedLlamaDecode.build(runner.model, runner.kernels, runner.attn_backend)
     assert reason == "on"

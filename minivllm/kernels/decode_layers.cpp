@@ -59,8 +59,8 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 
 // One linear layer's weight as the step reads it: bf16 (kind 0, with its oneDNN-packed
 // copy or an empty tensor), or quantized (quant_linear's kinds) with [scale, zero, wsum,
-// packed] in `quant` (empty tensors for none; packed: int8_w8a8's copy, oneDNN's or in
-// formats.pack_amx_w8a8's layout).
+// packed] in `quant` (empty tensors for none; packed: int8_w8a8's copy in one of
+// formats.PACKED_LAYOUTS).
 struct Linear {
   const torch::Tensor& w;
   const torch::Tensor& bias;
@@ -69,7 +69,7 @@ struct Linear {
   const torch::Tensor* quant;
 };
 
-// The weight-streaming kernels up to their row limits, oneDNN or AMX on a packed copy past them.
+// The weight-streaming kernels up to their row limits, a GEMM on a packed copy past them.
 torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel_rows,
                      int64_t max_w8a8_kernel_rows) {
   if (l.kind == 0) {
@@ -78,8 +78,7 @@ torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel
   }
   const torch::Tensor *scale = l.quant, *zero = l.quant + 1, *wsum = l.quant + 2, *packed = l.quant + 3;
   if (l.kind == 4 && packed->defined() && packed->numel() && x.size(0) > max_w8a8_kernel_rows)
-    return packed->is_mkldnn() ? w8a8_onednn_linear(x, *packed, *scale, l.bias)
-                               : amx_w8a8_linear(x, *packed, l.w.size(1), *scale, maybe(l.bias));
+    return w8a8_packed_linear(x, *packed, l.w.size(1), *scale, *wsum, maybe(l.bias));
   const int64_t group_size = l.kind == 2 ? x.size(1) / scale->size(1) : 0;  // int4's scale: [N, K / G]
   return quant_linear(x, l.kind, l.w, *scale, maybe(*zero), maybe(*wsum), group_size, maybe(l.bias));
 }

@@ -105,6 +105,12 @@ void amx_release_tiles();
 #endif
 torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
                               torch::Tensor scale, c10::optional<torch::Tensor> bias);
+// int8_w8a8 past the VNNI kernel's rows without AMX (quant_w8a8.cpp), on formats.pack_vnni_w8a8's layout.
+torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
+                               torch::Tensor wsum, c10::optional<torch::Tensor> bias);
+// int8_w8a8 on a prepacked copy in any of formats.PACKED_LAYOUTS (told apart by its form).
+torch::Tensor w8a8_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
+                                 torch::Tensor wsum, c10::optional<torch::Tensor> bias);
 torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
                                  const torch::Tensor& scale, const torch::Tensor& bias);
 // DeepSeek sparse attention (dsa.cpp) and routed experts (moe.cpp); the references are

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -48,6 +49,14 @@ float quantize_row(const bf16* x, int64_t K, Out* q, int offset) {
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
 
+// acc += a (unsigned bytes) . b (signed bytes), in place. The intrinsic's form left GCC
+// copying each accumulator through another register every step (two moves per product,
+// half the GEMM's rate); the asm pins the accumulator.
+inline __m512i dpbusd_inplace(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
 // out[m * R + r] = sum_k xu[m, k] * w[r, k] in int32, over `units` of 64 k (the last one
 // of 32 where half_tail); `wnext`: the next block, prefetched into L2 meanwhile.
 template <int MR, int R>
@@ -65,7 +74,7 @@ inline void vnni_tile(const int8_t* w, int64_t K, const uint8_t* xu, int64_t ldx
     }
     for (int m = 0; m < MR; ++m) {
       const __m512i xv = _mm512_loadu_si512(xu + m * ldx + u * 64);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbusd_epi32(acc[m][r], xv, wv[r]);
+      for (int r = 0; r < R; ++r) acc[m][r] = dpbusd_inplace(acc[m][r], xv, wv[r]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -146,6 +155,99 @@ void w8a8_run(const W8A8& p) {
     w8a8_blocks<4, 6, 1>(p);
 }
 
+// -- the GEMM for batches past the kernel above, on CPUs without AMX ----------------------
+//
+// The weight is packed once at load (formats.pack_vnni_w8a8) into panels of kPanel output
+// rows: [N / 32, K / 4, 32, 4], so the 4 k of 32 rows that one step multiplies are 128
+// contiguous bytes (two vectors) and a panel streams front to back. A tile of MR rows of x
+// keeps 2 x MR int32 accumulators in registers; each step broadcasts 4 bytes of a row of x
+// and multiplies them into 16 outputs' 4 k at once (vpdpbusd: 64 products). Threads split
+// the panels; x is taken in chunks that stay in L2 while every panel passes over it.
+constexpr int64_t kPanel = 32;
+constexpr int kMaxTileRows = 12;  // 24 accumulators + 2 weight vectors + the broadcast
+constexpr int64_t kGemmChunkBytes = 384 << 10;
+
+struct W8A8Gemm {
+  const uint8_t* xu;  // [M, K]: xq + 128
+  int64_t M, N, K;
+  const int8_t* w;  // packed [N / 32, K / 4, 32, 4]
+  const float *xs, *scale;
+  const int32_t* wsum;
+  const bf16* bias;
+  bf16* y;
+
+  template <int MR>
+  void tile(const uint8_t* x, const int8_t* panel, int64_t n0, int64_t m0) const {
+    __m512i acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 4) {
+      const __m512i w0 = _mm512_loadu_si512(panel + k * kPanel);
+      const __m512i w1 = _mm512_loadu_si512(panel + k * kPanel + 64);
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, x + m * K + k, 4);
+        const __m512i xv = _mm512_set1_epi32(quad);
+        acc[m][0] = dpbusd_inplace(acc[m][0], xv, w0);
+        acc[m][1] = dpbusd_inplace(acc[m][1], xv, w1);
+      }
+    }
+    // y = (float(acc - 128 wsum) * xs[m]) * scale[n] + bias: the reference's order
+    for (int j = 0; j < 2; ++j) {
+      const int64_t n = n0 + 16 * j;
+      if (n >= N) break;
+      const __mmask16 live = N - n >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n)) - 1);
+      const __m512i corr = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(live, wsum + n), 7);
+      const __m512 s = _mm512_maskz_loadu_ps(live, scale + n);
+      const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                  _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(live, bias + n)), 16))
+                            : _mm512_setzero_ps();
+      for (int m = 0; m < MR; ++m) {
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][j], corr));
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(xs[m0 + m])), s);
+        if (bias) v = _mm512_add_ps(v, b);
+        _mm256_mask_storeu_epi16(y + (m0 + m) * N + n, live, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+
+  void tile_rows(int rows, const uint8_t* x, const int8_t* panel, int64_t n0, int64_t m0) const {
+    switch (rows) {
+#define MINIVLLM_GTILE(r) \
+  case r:                 \
+    tile<r>(x, panel, n0, m0); \
+    break;
+      MINIVLLM_GTILE(1)
+      MINIVLLM_GTILE(2)
+      MINIVLLM_GTILE(3)
+      MINIVLLM_GTILE(4)
+      MINIVLLM_GTILE(5)
+      MINIVLLM_GTILE(6)
+      MINIVLLM_GTILE(7)
+      MINIVLLM_GTILE(8)
+      MINIVLLM_GTILE(9)
+      MINIVLLM_GTILE(10)
+      MINIVLLM_GTILE(11)
+      MINIVLLM_GTILE(12)
+#undef MINIVLLM_GTILE
+      default: break;
+    }
+  }
+
+  void run() const {
+    const int64_t panels = (N + kPanel - 1) / kPanel;
+    const int64_t chunk = std::max<int64_t>(kMaxTileRows, kGemmChunkBytes / K / kMaxTileRows * kMaxTileRows);
+    for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+      const int64_t c1 = std::min(M, c0 + chunk);
+      at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+        for (int64_t p = p0; p < p1; ++p)
+          for (int64_t m0 = c0; m0 < c1; m0 += kMaxTileRows)
+            tile_rows(static_cast<int>(std::min<int64_t>(kMaxTileRows, c1 - m0)), xu + m0 * K,
+                      w + p * K * kPanel, p * kPanel, m0);
+      });
+    }
+  }
+};
+
 #pragma GCC pop_options
 
 }  // namespace
@@ -207,4 +309,56 @@ torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& pa
   torch::Tensor y = stack[0].toTensor().mul_(xs.unsqueeze(1));
   if (bias.numel()) y.add_(bias.to(at::kFloat));
   return y.to(at::kBFloat16);
+}
+
+torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
+                               torch::Tensor wsum, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512vnni"), "vnni_w8a8_linear: int8_w8a8 needs AVX512-VNNI");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "vnni_w8a8_linear: x must be bf16 [M, K]");
+  TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kPanel &&
+                  packed.size(3) == 4 && packed.is_contiguous(),
+              "vnni_w8a8_linear: packed must be formats.pack_vnni_w8a8's int8 [N/32, K/4, 32, 4]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
+              "vnni_w8a8_linear: scale must be float32 [N]");
+  TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.dim() == 1 && wsum.numel() == scale.numel() &&
+                  wsum.is_contiguous(),
+              "vnni_w8a8_linear: wsum must be int32 [N], the weight's row sums");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scale.device().is_cpu() && wsum.device().is_cpu(),
+              "vnni_w8a8_linear: tensors must be on the CPU");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = scale.size(0);
+  TORCH_CHECK(K > 0 && K == in_features && K % 16 == 0 && K / 4 == packed.size(1), "vnni_w8a8_linear: x has K=", K,
+              ", the weight ", in_features, " (a multiple of 16, packed as ", packed.size(1), " groups of 4)");
+  TORCH_CHECK((N + kPanel - 1) / kPanel == packed.size(0), "vnni_w8a8_linear: scale has N=", N,
+              ", the packed weight ", packed.size(0), " panels of 32 rows");
+  const bf16* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->numel() == N && bias->is_contiguous() &&
+                    bias->device().is_cpu(),
+                "vnni_w8a8_linear: bias must be bf16 [N]");
+    b = bias->data_ptr<bf16>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  auto xu = torch::empty({M, K}, x.options().dtype(at::kByte));
+  auto xs = torch::empty({M}, x.options().dtype(at::kFloat));
+  const bf16* xp = x.data_ptr<bf16>();
+  uint8_t* q = xu.data_ptr<uint8_t>();
+  float* s = xs.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) s[m] = quantize_row(xp + m * K, K, q + m * K, 128);
+  });
+  W8A8Gemm g{q, M, N, K, packed.data_ptr<int8_t>(), s, scale.data_ptr<float>(), wsum.data_ptr<int32_t>(),
+             b, y.data_ptr<bf16>()};
+  g.run();
+  return y;
+}
+
+torch::Tensor w8a8_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
+                                 torch::Tensor wsum, c10::optional<torch::Tensor> bias) {
+  if (packed.is_mkldnn())
+    return w8a8_onednn_linear(x.contiguous(), packed, scale,
+                              bias.has_value() && bias->defined() ? *bias : torch::empty({0}, x.options()));
+  if (packed.dim() == 5) return amx_w8a8_linear(x, packed, in_features, scale, bias);
+  return vnni_w8a8_linear(x, packed, in_features, scale, wsum, bias);
 }

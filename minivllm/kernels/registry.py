@@ -79,6 +79,8 @@ register_family(
             "amx_w8a8_available",
             "amx_bf16_available",
             "amx_w8a8_linear",
+            "vnni_w8a8_linear",
+            "w8a8_packed_linear",
             "dsa_indexer_topk",
             "sparse_mla_decode",
             "moe_experts",

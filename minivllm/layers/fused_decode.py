@@ -39,9 +39,9 @@ from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.quantization.formats import (
     W8A8_MAX_KERNEL_ROWS,
     QuantWeights,
-    is_amx_packed,
     kernel_supports,
     kernel_supports_shape,
+    packed_layout,
     w8a8_max_kernel_rows,
 )
 
@@ -159,7 +159,7 @@ class FusedLlamaDecode:
         self.quant_kinds: list[int] = []
         self.quant: list[torch.Tensor] = []
         self.max_w8a8_kernel_rows = W8A8_MAX_KERNEL_ROWS  # VNNI kernel rows before the copy's GEMM
-        self._w8a8_amx: bool | None = None  # whether the int8_w8a8 copies are AMX's
+        self._w8a8_layout: str | None = None  # the int8_w8a8 copies' (formats.packed_layout)
         for layer in parts.layers:
             for linear in layer.linears:
                 self._add_linear(linear, none)
@@ -189,11 +189,11 @@ class FusedLlamaDecode:
         self.quant_kinds.append(weights.kind)
         self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
         self.quant.append(_or(weights.packed, none))
-        if weights.packed is not None:  # int8_w8a8's copy: the AMX layout or oneDNN's
+        if weights.packed is not None:  # int8_w8a8's copy: AMX's, the VNNI GEMM's or oneDNN's
             # one threshold serves every layer: use() packs them all alike on a machine
-            amx = is_amx_packed(weights.packed)
-            assert self._w8a8_amx in (None, amx), "int8_w8a8 layers packed two ways"
-            self._w8a8_amx = amx
+            layout = packed_layout(weights.packed)
+            assert self._w8a8_layout in (None, layout), "int8_w8a8 layers packed two ways"
+            self._w8a8_layout = layout
             self.max_w8a8_kernel_rows = w8a8_max_kernel_rows(weights.packed)
 
     @classmethod

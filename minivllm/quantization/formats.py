@@ -51,9 +51,8 @@ class QuantWeights:
 
     `zero` is int4's per-group zero point (None: symmetric, 8), `wsum` int8_w8a8's row
     sums of q, `group_size` int4's k per scale (0 for per-channel schemes). `packed` is a
-    prepacked int8 copy for large int8_w8a8 batches (`prepack_w8a8`: our AMX kernel's
-    layout, or oneDNN's); it is
-    derived, so `tensors()` leaves it out and a rebuilt QuantWeights prepacks anew.
+    prepacked int8 copy for large int8_w8a8 batches (`prepack_w8a8`: our AMX or VNNI
+    GEMM's layout, or oneDNN's); it is derived, so `tensors()` leaves it out and a rebuilt QuantWeights prepacks anew.
     """
 
     scheme: str
@@ -312,7 +311,7 @@ def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) ->
     return scheme != "int4_w4a16" or (_divides(32, group_size) and in_features % group_size == 0)
 
 
-# -- int8_w8a8 for large batches: AMX, or oneDNN, on a prepacked copy ------------------------
+# -- int8_w8a8 for large batches: our AMX or VNNI GEMM, or oneDNN, on a prepacked copy ------
 
 PACK_BATCH_HINT = 128  # the batch size oneDNN picks its packed layout for
 # rows up to which the VNNI kernel beats oneDNN's int8 GEMM (AMX there) on a prepacked
@@ -322,9 +321,16 @@ PACK_BATCH_HINT = 128  # the batch size oneDNN picks its packed layout for
 W8A8_MAX_KERNEL_ROWS = 12
 # the same against our AMX kernel (amx_w8a8.cpp), same machine and shapes: at 4 rows the
 # VNNI kernel is 1.1-1.7x ahead, at 6 they are even, at 8 the AMX one leads by 1.3-1.9x
-# (benchmarks/amx_w8a8.py)
+# (benchmarks/w8a8_linear.py)
 W8A8_AMX_MAX_KERNEL_ROWS = 4
+# the same against our VNNI GEMM (quant_w8a8.cpp) on a CPU without AMX: none. On a 2-core
+# AMD EPYC (Zen 4), Qwen3-0.6B's linears streamed from memory, the GEMM on its packed
+# panels ran 1.0-1.2x the row kernel at 1-2 rows, 1.2-1.6x at 4-6 and 2-2.8x at 8-16
+# (`python benchmarks/w8a8_linear.py --rows 1 2 4 8 16`), so it takes every batch
+W8A8_VNNI_MAX_KERNEL_ROWS = 0
 AMX_BLOCK_N, AMX_BLOCK_K = 32, 64  # output rows per weight block, int8 k per tile row
+VNNI_PANEL = 32  # output rows per panel of pack_vnni_w8a8's layout
+PACKED_LAYOUTS = ("amx", "vnni", "onednn")
 
 
 def onednn_int8_available() -> bool:
@@ -332,28 +338,40 @@ def onednn_int8_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
 
 
-def prepack_w8a8(qw: QuantWeights, amx: bool = False) -> None:
-    """Fill `qw.packed` with a copy of the int8 weight for large batches: our AMX kernel's
-    layout (`pack_amx_w8a8`) where `amx`, else oneDNN's; RuntimeError where neither runs
-    (then use the VNNI kernel at every batch)."""
+def prepack_w8a8(qw: QuantWeights, layout: str) -> None:
+    """Fill `qw.packed` with a copy of the int8 weight for large batches in `layout`: our
+    AMX kernel's (`pack_amx_w8a8`), our VNNI GEMM's (`pack_vnni_w8a8`) or oneDNN's
+    (RuntimeError where this torch lacks its int8 linear)."""
     if qw.scheme != "int8_w8a8":
         raise ValueError(f"only int8_w8a8 weights are prepacked, not {qw.scheme}")
-    if amx:
+    if layout == "amx":
         qw.packed = pack_amx_w8a8(qw.weight)
-        return
-    if not onednn_int8_available():
-        raise RuntimeError("oneDNN's int8 linear (onednn::qlinear_prepack) is unavailable")
-    qw.packed = torch.ops.onednn.qlinear_prepack(qw.weight, [PACK_BATCH_HINT, qw.in_features])
+    elif layout == "vnni":
+        qw.packed = pack_vnni_w8a8(qw.weight)
+    elif layout == "onednn":
+        if not onednn_int8_available():
+            raise RuntimeError("oneDNN's int8 linear (onednn::qlinear_prepack) is unavailable")
+        qw.packed = torch.ops.onednn.qlinear_prepack(qw.weight, [PACK_BATCH_HINT, qw.in_features])
+    else:
+        raise ValueError(f"packed layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
 
 
-def is_amx_packed(packed: Tensor | None) -> bool:
-    """Whether a prepacked int8_w8a8 copy is our AMX layout (oneDNN's is an opaque tensor)."""
-    return packed is not None and not packed.is_mkldnn
+def packed_layout(packed: Tensor) -> str:
+    """Which of PACKED_LAYOUTS a prepacked int8_w8a8 copy is in (oneDNN's is opaque)."""
+    if packed.is_mkldnn:
+        return "onednn"
+    return "amx" if packed.dim() == 5 else "vnni"
 
 
 def w8a8_max_kernel_rows(packed: Tensor | None) -> int:
     """Rows up to which the VNNI kernel runs int8_w8a8 before the prepacked copy's GEMM."""
-    return W8A8_AMX_MAX_KERNEL_ROWS if is_amx_packed(packed) else W8A8_MAX_KERNEL_ROWS
+    if packed is None:
+        return 1 << 62
+    return {
+        "amx": W8A8_AMX_MAX_KERNEL_ROWS,
+        "vnni": W8A8_VNNI_MAX_KERNEL_ROWS,
+        "onednn": W8A8_MAX_KERNEL_ROWS,
+    }[packed_layout(packed)]
 
 
 def pack_amx_w8a8(q: Tensor) -> Tensor:
@@ -367,6 +385,18 @@ def pack_amx_w8a8(q: Tensor) -> Tensor:
     return blocks.permute(0, 3, 1, 4, 2, 5).contiguous().view(-1, (k + k_pad) // 64, 2, 16, 64)
 
 
+def pack_vnni_w8a8(q: Tensor) -> Tensor:
+    """int8 q [N, K] (K a multiple of 4) in the layout quant_w8a8.cpp's VNNI GEMM reads:
+    [N/32, K/4, 32, 4], zero-padded to whole panels. Panel p holds rows n = 32p + c as
+    byte [k / 4, c, k % 4]: the 4 k of 32 rows that one step multiplies are 128 bytes."""
+    n, k = q.shape
+    if k % 4:
+        raise ValueError(f"pack_vnni_w8a8 needs K a multiple of 4, got {k}")
+    padded = torch.nn.functional.pad(q, (0, 0, 0, -n % VNNI_PANEL))
+    panels = padded.view(-1, VNNI_PANEL, k // 4, 4)  # p c kq e
+    return panels.permute(0, 2, 1, 3).contiguous()
+
+
 def w8a8_large_batch(
     x: Tensor,
     qw: QuantWeights,
@@ -377,8 +407,8 @@ def w8a8_large_batch(
     numbers as `reference_linear` (exact int32 sums), faster than the VNNI kernel from a
     few dozen rows. `quantize_rows` is the compiled `quantize_per_token_int8`, or None for
     `quantize_per_token`."""
-    if qw.packed is None or is_amx_packed(qw.packed):
-        raise RuntimeError("no oneDNN-packed weight: call prepack_w8a8(qw, amx=False) first")
+    if qw.packed is None or packed_layout(qw.packed) != "onednn":
+        raise RuntimeError('no oneDNN-packed weight: call prepack_w8a8(qw, "onednn") first')
     rows = x.reshape(-1, qw.in_features)
     xq, xs = (quantize_rows or quantize_per_token)(rows)
     no_zero = torch.zeros(qw.out_features, dtype=torch.int64)

@@ -13,8 +13,8 @@ reference, which is also the kernel's test oracle. Weight-only schemes at large
 batches (prefill) dequantize the weight to bf16 once per call (the compiled
 `dequantize_bf16`) and use the dense GEMM:
 there the step is compute-bound and oneDNN's bf16 GEMM is faster than converting in
-registers. int8_w8a8 at large batches runs its prepacked copy: our AMX kernel, or
-oneDNN's int8 GEMM on CPUs without AMX.
+registers. int8_w8a8 at large batches runs a GEMM on its prepacked copy: our AMX kernel
+where the CPU has AMX-INT8, else our AVX512-VNNI GEMM.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ logger = logging.getLogger("minivllm")
 
 # rows up to which the weight-streaming kernels run the weight-only schemes; past them the
 # weight is dequantized to bf16 for oneDNN's GEMM (prefill). int8_w8a8's crossover to
-# its prepacked copy's GEMM (AMX or oneDNN) is formats.w8a8_max_kernel_rows.
+# its prepacked copy's GEMM (AMX or VNNI) is formats.w8a8_max_kernel_rows.
 MAX_STREAMING_ROWS = 64
 
 
@@ -55,10 +55,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.source = source  # "online", or the checkpoint format that quantized it
         self.quant_weights: formats.QuantWeights | None = None
         self.op = None  # the compiled quant_linear, where used
-        self.quantize_rows = None  # the compiled per-token int8 quantizer, with it
         self.fp32_op = None  # the AVX2 family's linear_quantw, for fp32 engines
         self._unit_scale: torch.Tensor | None = None  # int8_w8a8 there: ones, per channel
-        self.amx_op = None  # int8_w8a8's AMX GEMM past a few rows, where the CPU has AMX-INT8
+        self.packed_op = None  # int8_w8a8's GEMM on its prepacked copy, past a few rows
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
         self.w8a8_kernel_rows = 0  # int8_w8a8: rows for quant_linear before the packed copy
         self.backend = "torch"
@@ -124,14 +123,13 @@ class QuantizedLinearMethod(LinearMethodBase):
     def use(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
         """Apply `qw` from now on: choose the op, and give int8_w8a8 on the kernels its
         prepacked copy for large batches (made per engine, never stored): our AMX kernel's
-        where the CPU has AMX-INT8, else oneDNN's."""
+        layout where the CPU has AMX-INT8, else our VNNI GEMM's."""
         self.choose_backend(qw, kernels)
         if self.op is not None and qw.scheme == "int8_w8a8":
-            available = kernels.op("amx_w8a8_available")
-            self.amx_op = kernels.op("amx_w8a8_linear") if available and available() else None
-            if self.amx_op is not None or formats.onednn_int8_available():
-                formats.prepack_w8a8(qw, amx=self.amx_op is not None)
-                self.w8a8_kernel_rows = formats.w8a8_max_kernel_rows(qw.packed)
+            amx = kernels.op("amx_w8a8_available")
+            formats.prepack_w8a8(qw, "amx" if amx is not None and amx() else "vnni")
+            self.packed_op = kernels.op("w8a8_packed_linear")
+            self.w8a8_kernel_rows = formats.w8a8_max_kernel_rows(qw.packed)
         self.quant_weights = qw
 
     @property
@@ -143,7 +141,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         # multiplied in fp32 (int8_w8a8: on its quantized activations, `_apply_fp32`)
         fp32_op = kernels.op("linear_quantw")
         if fp32_op is not None and self.requested_backend != "torch":
-            self.fp32_op, self.op, self.quantize_rows = fp32_op, None, None
+            self.fp32_op, self.op = fp32_op, None
             self.backend = "cpu_kernel"
             return
         op = kernels.op("quant_linear")
@@ -159,7 +157,6 @@ class QuantizedLinearMethod(LinearMethodBase):
                 + _why_not(op, qw)
             )
         self.op = op if usable and wanted != "torch" else None
-        self.quantize_rows = kernels.op("quantize_per_token_int8") if self.op is not None else None
         self.dequantize_op = kernels.op("dequantize_bf16") if self.op is not None else None
         self.backend = "cpu_kernel" if self.op is not None else "torch"
 
@@ -177,10 +174,8 @@ class QuantizedLinearMethod(LinearMethodBase):
                 out = self.op(
                     rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias
                 )
-            elif self.amx_op is not None:
-                out = self.amx_op(rows, qw.packed, qw.in_features, qw.scale, bias)
             else:
-                out = formats.w8a8_large_batch(rows, qw, bias, self.quantize_rows)
+                out = self.packed_op(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
         elif m > MAX_STREAMING_ROWS:
             out = F.linear(rows, self._dequantized(qw), bias)
         else:
