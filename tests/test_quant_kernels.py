@@ -38,6 +38,7 @@ from minivllm.quantization.formats import (
     from_int8_values,
     kernel_supports,
     kernel_supports_shape,
+    max_kernel_rows,
     onednn_int8_available,
     pack_amx_w8a8,
     pack_int4,
@@ -48,7 +49,6 @@ from minivllm.quantization.formats import (
     reference_linear,
     unpack_int4,
     w8a8_large_batch,
-    w8a8_max_kernel_rows,
 )
 
 needs_bf16 = pytest.mark.skipif(not kernel_supports("int8_w8a16"), reason="CPU lacks AVX512-BF16")
@@ -438,7 +438,8 @@ def test_schemes_and_kinds_agree():
 
 class _KernelQuantMethod(LinearMethodBase):
     """A stand-in for a quantized linear method: a bf16 layer's weight, quantized, applied
-    with the kernels (a GEMM on the packed copy past w8a8_max_kernel_rows for int8_w8a8)."""
+    with the kernels (past formats.max_kernel_rows a GEMM on int8_w8a8's packed copy or on
+    the dequantized weight)."""
 
     def __init__(self, weights: QuantWeights) -> None:
         self.quant_weights = weights
@@ -450,8 +451,12 @@ class _KernelQuantMethod(LinearMethodBase):
     def apply(self, layer, x, bias):
         kernels, qw = get_cpu_kernels(), self.quant_weights
         rows = x.reshape(-1, qw.in_features)
-        if qw.packed is not None and rows.shape[0] > w8a8_max_kernel_rows(qw.packed):
+        if rows.shape[0] > max_kernel_rows(qw) and qw.scheme == "int8_w8a8":
             y = kernels.w8a8_packed_linear(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
+        elif rows.shape[0] > max_kernel_rows(qw):  # dequantized for oneDNN's GEMM
+            dense = torch.empty(qw.out_features, qw.in_features, dtype=torch.bfloat16)
+            kernels.dequantize_bf16(qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, dense)
+            y = torch.nn.functional.linear(rows, dense, bias)
         else:
             args = (qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
             y = kernels.quant_linear(rows, *args)
@@ -488,7 +493,7 @@ def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_chec
     fused_step, reason = FusedLlamaDecode.build(runner.model, runner.kernels, runner.attn_backend)
     assert reason == "on"
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
-    for num_prompts in (20, 3):  # 20 rows: past W8A8_MAX_KERNEL_ROWS
+    for num_prompts in (20, 3):  # 20 rows: past int4's and int8_w8a8's kernel rows
         prompts = [{"prompt_token_ids": list(range(5, 6 + n))} for n in range(num_prompts)]
         results = []
         for fused in (fused_step, None):

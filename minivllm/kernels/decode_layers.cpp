@@ -69,17 +69,23 @@ struct Linear {
   const torch::Tensor* quant;
 };
 
-// The weight-streaming kernels up to their row limits, a GEMM on a packed copy past them.
+// The weight-streaming kernels up to their row limits; past them a GEMM: oneDNN's on bf16's
+// packed copy, ours on int8_w8a8's, oneDNN's on a weight-only scheme's weight dequantized
+// to bf16 (as QuantizedLinearMethod.apply does). max_quant_rows[kind]: formats.max_kernel_rows.
 torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel_rows,
-                     int64_t max_w8a8_kernel_rows) {
+                     const std::vector<int64_t>& max_quant_rows) {
   if (l.kind == 0) {
     if (l.packed.numel() && x.size(0) > max_kernel_rows) return packed_linear(x, l.packed, l.bias);
     return gemv_bf16(x, l.w, maybe(l.bias));
   }
   const torch::Tensor *scale = l.quant, *zero = l.quant + 1, *wsum = l.quant + 2, *packed = l.quant + 3;
-  if (l.kind == 4 && packed->defined() && packed->numel() && x.size(0) > max_w8a8_kernel_rows)
-    return w8a8_packed_linear(x, *packed, l.w.size(1), *scale, *wsum, maybe(l.bias));
   const int64_t group_size = l.kind == 2 ? x.size(1) / scale->size(1) : 0;  // int4's scale: [N, K / G]
+  if (x.size(0) > max_quant_rows[l.kind]) {
+    if (l.kind == 4) return w8a8_packed_linear(x, *packed, l.w.size(1), *scale, *wsum, maybe(l.bias));
+    auto dense = torch::empty({scale->size(0), x.size(1)}, x.options());
+    dequantize_bf16(l.kind, l.w, *scale, maybe(*zero), group_size, dense);
+    return at::linear(x, dense, maybe(l.bias));
+  }
   return quant_linear(x, l.kind, l.w, *scale, maybe(*zero), maybe(*wsum), group_size, maybe(l.bias));
 }
 
@@ -108,7 +114,7 @@ void write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, to
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                   std::vector<torch::Tensor> packed, int64_t max_kernel_rows,
                                   std::vector<int64_t> quant_kinds, std::vector<torch::Tensor> quant,
-                                  int64_t max_w8a8_kernel_rows, std::vector<torch::Tensor> kv_caches,
+                                  std::vector<int64_t> max_quant_rows, std::vector<torch::Tensor> kv_caches,
                                   std::vector<int64_t> windows,
                                   torch::Tensor final_norm, torch::Tensor positions,
                                   torch::Tensor slot_mapping, torch::Tensor block_tables,
@@ -121,6 +127,7 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
   TORCH_CHECK(static_cast<int64_t>(quant_kinds.size()) == L * 4, "quant_kinds: one per linear");
   TORCH_CHECK(static_cast<int64_t>(quant.size()) == L * 16, "quant: scale, zero, wsum, packed per linear");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "one window per layer");
+  TORCH_CHECK(max_quant_rows.size() == 5, "max_quant_rows: one per quant kind, 0-4");
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "hidden: bf16 [B, H]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
   const int64_t B = hidden.size(0), D = head_dim;
@@ -141,7 +148,7 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
     };
     const Linear qkv_proj = lin(0, QKV_W, QKV_B), o_proj = lin(1, O_W, O_B);
     const Linear gate_up_proj = lin(2, GATE_UP_W, GATE_UP_B), down_proj = lin(3, DOWN_W, DOWN_B);
-    torch::Tensor qkv = linear(h, qkv_proj, max_kernel_rows, max_w8a8_kernel_rows);  // [B, q + 2 kv]
+    torch::Tensor qkv = linear(h, qkv_proj, max_kernel_rows, max_quant_rows);  // [B, q + 2 kv]
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, D});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, D});
     if (w[Q_NORM].numel()) q = rms_norm(q, w[Q_NORM], eps);
@@ -154,10 +161,10 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
                 num_kv_heads, D);
     torch::Tensor attn = paged_attention_decode(q, cache[0], cache[1], block_tables, seq_lens, scale,
                                                 windows[l]);
-    torch::Tensor o = linear(attn.view({B, q_size}), o_proj, max_kernel_rows, max_w8a8_kernel_rows);
+    torch::Tensor o = linear(attn.view({B, q_size}), o_proj, max_kernel_rows, max_quant_rows);
     h = fused_add_rms_norm(o, residual, w[POST_NORM], eps);
-    torch::Tensor act = silu_and_mul(linear(h, gate_up_proj, max_kernel_rows, max_w8a8_kernel_rows));
-    h = linear(act, down_proj, max_kernel_rows, max_w8a8_kernel_rows);
+    torch::Tensor act = silu_and_mul(linear(h, gate_up_proj, max_kernel_rows, max_quant_rows));
+    h = linear(act, down_proj, max_kernel_rows, max_quant_rows);
   }
   return fused_add_rms_norm(h, residual, final_norm, eps);
 }

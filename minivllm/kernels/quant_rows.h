@@ -14,6 +14,8 @@
 
 #include <cstdint>
 
+#include "kernels.h"
+
 namespace quant_rows {
 
 using bf16 = at::BFloat16;
@@ -57,7 +59,7 @@ struct DotBf16 {
     D::template decode<Tail>(p, tail_bytes, v);
     for (int i = 0; i < D::kVectors; ++i) {
       __m512& acc = i % 2 ? acc1 : acc0;
-      acc = _mm512_dpbf16_ps(acc, v[i], load_bh(x + 32 * i));
+      acc = dpbf16(acc, v[i], load_bh(x + 32 * i));
     }
   }
 };

@@ -49,14 +49,6 @@ float quantize_row(const bf16* x, int64_t K, Out* q, int offset) {
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
 
-// acc += a (unsigned bytes) . b (signed bytes), in place. The intrinsic's form left GCC
-// copying each accumulator through another register every step (two moves per product,
-// half the GEMM's rate); the asm pins the accumulator.
-inline __m512i dpbusd_inplace(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-  return acc;
-}
-
 // out[m * R + r] = sum_k xu[m, k] * w[r, k] in int32, over `units` of 64 k (the last one
 // of 32 where half_tail); `wnext`: the next block, prefetched into L2 meanwhile.
 template <int MR, int R>
@@ -74,7 +66,7 @@ inline void vnni_tile(const int8_t* w, int64_t K, const uint8_t* xu, int64_t ldx
     }
     for (int m = 0; m < MR; ++m) {
       const __m512i xv = _mm512_loadu_si512(xu + m * ldx + u * 64);
-      for (int r = 0; r < R; ++r) acc[m][r] = dpbusd_inplace(acc[m][r], xv, wv[r]);
+      for (int r = 0; r < R; ++r) acc[m][r] = dpbusd(acc[m][r], xv, wv[r]);
     }
   }
   for (int m = 0; m < MR; ++m)
@@ -187,8 +179,8 @@ struct W8A8Gemm {
         int32_t quad;
         std::memcpy(&quad, x + m * K + k, 4);
         const __m512i xv = _mm512_set1_epi32(quad);
-        acc[m][0] = dpbusd_inplace(acc[m][0], xv, w0);
-        acc[m][1] = dpbusd_inplace(acc[m][1], xv, w1);
+        acc[m][0] = dpbusd(acc[m][0], xv, w0);
+        acc[m][1] = dpbusd(acc[m][1], xv, w1);
       }
     }
     // y = (float(acc - 128 wsum) * xs[m]) * scale[n] + bias: the reference's order

@@ -37,7 +37,11 @@ from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.quantization.formats import (
-    W8A8_MAX_KERNEL_ROWS,
+    KIND_FP8_W8A16,
+    KIND_INT4_W4A16,
+    KIND_INT8_W8A8,
+    KIND_INT8_W8A16,
+    MAX_STREAMING_ROWS,
     QuantWeights,
     kernel_supports,
     kernel_supports_shape,
@@ -158,7 +162,15 @@ class FusedLlamaDecode:
         self.packed: list[torch.Tensor] = []
         self.quant_kinds: list[int] = []
         self.quant: list[torch.Tensor] = []
-        self.max_w8a8_kernel_rows = W8A8_MAX_KERNEL_ROWS  # VNNI kernel rows before the copy's GEMM
+        # per quant kind (index): rows up to which quant_linear runs it (formats.max_kernel_rows);
+        # int8_w8a8's is set by its packed copies, all alike on a machine (none: every row)
+        self.max_quant_rows = [0, 0, 0, 0, w8a8_max_kernel_rows(None)]
+        for kind, scheme in (
+            (KIND_INT8_W8A16, "int8_w8a16"),
+            (KIND_INT4_W4A16, "int4_w4a16"),
+            (KIND_FP8_W8A16, "fp8_w8a16"),
+        ):
+            self.max_quant_rows[kind] = MAX_STREAMING_ROWS[scheme]
         self._w8a8_layout: str | None = None  # the int8_w8a8 copies' (formats.packed_layout)
         for layer in parts.layers:
             for linear in layer.linears:
@@ -194,7 +206,7 @@ class FusedLlamaDecode:
             layout = packed_layout(weights.packed)
             assert self._w8a8_layout in (None, layout), "int8_w8a8 layers packed two ways"
             self._w8a8_layout = layout
-            self.max_w8a8_kernel_rows = w8a8_max_kernel_rows(weights.packed)
+            self.max_quant_rows[KIND_INT8_W8A8] = w8a8_max_kernel_rows(weights.packed)
 
     @classmethod
     def build(
@@ -223,7 +235,7 @@ class FusedLlamaDecode:
             MAX_KERNEL_ROWS_PACKED,
             self.quant_kinds,
             self.quant,
-            self.max_w8a8_kernel_rows,
+            self.max_quant_rows,
             [a.kv_cache for a in self.attention],
             self.windows,
             self.final_norm,

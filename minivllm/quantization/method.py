@@ -36,11 +36,6 @@ from minivllm.quantization.config import SchemeSpec
 
 logger = logging.getLogger("minivllm")
 
-# rows up to which the weight-streaming kernels run the weight-only schemes; past them the
-# weight is dequantized to bf16 for oneDNN's GEMM (prefill). int8_w8a8's crossover to
-# its prepacked copy's GEMM (AMX or VNNI) is formats.w8a8_max_kernel_rows.
-MAX_STREAMING_ROWS = 64
-
 
 class QuantizedLinearMethod(LinearMethodBase):
     """One quantization scheme for one layer; `backend` None picks the fastest correct op."""
@@ -59,7 +54,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self._unit_scale: torch.Tensor | None = None  # int8_w8a8 there: ones, per channel
         self.packed_op = None  # int8_w8a8's GEMM on its prepacked copy, past a few rows
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
-        self.w8a8_kernel_rows = 0  # int8_w8a8: rows for quant_linear before the packed copy
+        self.kernel_rows = 0  # rows for quant_linear; past them formats.max_kernel_rows says
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
 
@@ -129,7 +124,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             amx = kernels.op("amx_w8a8_available")
             formats.prepack_w8a8(qw, "amx" if amx is not None and amx() else "vnni")
             self.packed_op = kernels.op("w8a8_packed_linear")
-            self.w8a8_kernel_rows = formats.w8a8_max_kernel_rows(qw.packed)
+        self.kernel_rows = formats.max_kernel_rows(qw)
         self.quant_weights = qw
 
     @property
@@ -168,18 +163,12 @@ class QuantizedLinearMethod(LinearMethodBase):
             return self._apply_fp32(rows, qw, bias).view(*x.shape[:-1], qw.out_features)
         if self.op is None or x.dtype != torch.bfloat16:
             return formats.reference_linear(x, qw, bias)
-        m = rows.shape[0]
-        if qw.scheme == "int8_w8a8":
-            if qw.packed is None or m <= self.w8a8_kernel_rows:
-                out = self.op(
-                    rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias
-                )
-            else:
-                out = self.packed_op(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
-        elif m > MAX_STREAMING_ROWS:
-            out = F.linear(rows, self._dequantized(qw), bias)
-        else:
+        if rows.shape[0] <= self.kernel_rows:
             out = self.op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
+        elif qw.scheme == "int8_w8a8":
+            out = self.packed_op(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
+        else:
+            out = F.linear(rows, self._dequantized(qw), bias)
         return out.view(*x.shape[:-1], qw.out_features)
 
     def _apply_fp32(
