@@ -121,7 +121,7 @@ void amx_release_tiles();
 #endif
 torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
                               torch::Tensor scale, c10::optional<torch::Tensor> bias);
-// int8_w8a8 past the VNNI kernel's rows without AMX (quant_w8a8.cpp), on formats.pack_vnni_w8a8's layout.
+// int8_w8a8's GEMM on CPUs with AVX512-VNNI but no AMX (quant_w8a8.cpp), on formats.pack_vnni_w8a8's layout.
 torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
                                torch::Tensor wsum, c10::optional<torch::Tensor> bias);
 // int8_w8a8 on a prepacked copy in any of formats.PACKED_LAYOUTS (told apart by its form).

@@ -37,10 +37,8 @@ from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.quantization.formats import (
-    KIND_FP8_W8A16,
-    KIND_INT4_W4A16,
+    KERNEL_KIND,
     KIND_INT8_W8A8,
-    KIND_INT8_W8A16,
     MAX_STREAMING_ROWS,
     QuantWeights,
     kernel_supports,
@@ -164,13 +162,10 @@ class FusedLlamaDecode:
         self.quant: list[torch.Tensor] = []
         # per quant kind (index): rows up to which quant_linear runs it (formats.max_kernel_rows);
         # int8_w8a8's is set by its packed copies, all alike on a machine (none: every row)
-        self.max_quant_rows = [0, 0, 0, 0, w8a8_max_kernel_rows(None)]
-        for kind, scheme in (
-            (KIND_INT8_W8A16, "int8_w8a16"),
-            (KIND_INT4_W4A16, "int4_w4a16"),
-            (KIND_FP8_W8A16, "fp8_w8a16"),
-        ):
-            self.max_quant_rows[kind] = MAX_STREAMING_ROWS[scheme]
+        self.max_quant_rows = [0] * (max(KERNEL_KIND.values()) + 1)
+        for scheme, rows in MAX_STREAMING_ROWS.items():
+            self.max_quant_rows[KERNEL_KIND[scheme]] = rows
+        self.max_quant_rows[KIND_INT8_W8A8] = w8a8_max_kernel_rows(None)
         self._w8a8_layout: str | None = None  # the int8_w8a8 copies' (formats.packed_layout)
         for layer in parts.layers:
             for linear in layer.linears:

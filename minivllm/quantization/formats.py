@@ -52,7 +52,8 @@ class QuantWeights:
     `zero` is int4's per-group zero point (None: symmetric, 8), `wsum` int8_w8a8's row
     sums of q, `group_size` int4's k per scale (0 for per-channel schemes). `packed` is a
     prepacked int8 copy for large int8_w8a8 batches (`prepack_w8a8`: our AMX or VNNI
-    GEMM's layout, or oneDNN's); it is derived, so `tensors()` leaves it out and a rebuilt QuantWeights prepacks anew.
+    GEMM's layout, or oneDNN's); it is derived, so `tensors()` leaves it out and a rebuilt
+    QuantWeights prepacks anew.
     """
 
     scheme: str
