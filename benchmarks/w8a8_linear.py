@@ -1,10 +1,10 @@
 """int8_w8a8 linears per call against bf16, over the Qwen3-0.6B shape's four linears.
 
 Columns: bf16 (oneDNN on its prepacked weight, what a bf16 engine runs past a few rows);
-with --onednn-int8, oneDNN's int8 GEMM with the per-token scaling after it (the large-batch
-path before our GEMMs; off by default: on AMD Zen 4 one call of it takes ~0.75 s); the VNNI kernel (decode rows, quant_w8a8.cpp); our VNNI GEMM on its packed panels
-(CPUs without AMX); our AMX kernel (where the CPU has AMX-INT8). Where each path is
-fastest sets formats.W8A8_MAX_KERNEL_ROWS and W8A8_AMX_MAX_KERNEL_ROWS.
+the VNNI kernel (decode rows, quant_w8a8.cpp); our VNNI GEMM on its packed panels (CPUs
+without AMX); our AMX kernel (where the CPU has AMX-INT8). Where each path is fastest sets
+formats.W8A8_AMX_MAX_KERNEL_ROWS and W8A8_VNNI_MAX_KERNEL_ROWS. (oneDNN's own int8 GEMM,
+once a column here, lost to both of ours and left the engine.)
 
     python benchmarks/w8a8_linear.py                 # rows 4 8 16 64 512
     python benchmarks/w8a8_linear.py --rows 6 2048
@@ -19,10 +19,11 @@ import torch
 
 from minivllm.kernels import get_cpu_kernels
 from minivllm.kernels.isa import cpu_model, isa_summary
+from minivllm.layers.cpu_linear import PACK_BATCH_HINT
 from minivllm.quantization import formats
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate_up, down
-COLUMNS = ("bf16 oneDNN", "int8 oneDNN", "VNNI rows", "VNNI GEMM", "AMX")
+COLUMNS = ("bf16 oneDNN", "VNNI rows", "VNNI GEMM", "AMX")
 
 
 def median_ms(fn, reps: int, calls: int) -> float:
@@ -41,7 +42,6 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16, 64, 512])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--onednn-int8", action="store_true", help="time oneDNN's int8 GEMM too")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = get_cpu_kernels()
@@ -49,17 +49,17 @@ def main() -> None:
         raise SystemExit("this machine has no AVX512-VNNI (or no AVX512-BF16 kernels)")
     amx = ops.amx_w8a8_available()
     print(f"{cpu_model()} [{isa_summary()}], {args.threads} threads; median ms per call")
-    shown = [c for c in COLUMNS if (amx or c != "AMX") and (args.onednn_int8 or c != "int8 oneDNN")]
+    shown = [c for c in COLUMNS if amx or c != "AMX"]
     print("rows  N x K       | " + " | ".join(shown) + " | best int8 vs bf16")
     torch.manual_seed(0)
     for rows in args.rows:
         for n, k in SHAPES:
-            times = measure(ops, rows, n, k, args.reps, amx, args.onednn_int8)
+            times = measure(ops, rows, n, k, args.reps, amx)
             cells = " | ".join(f"{t:{len(c)}.3f}" for t, c in zip(times, shown))
             print(f"{rows:<5} {n:>4} x {k:<5} | {cells} | {times[0] / min(times[1:]):.2f}x")
 
 
-def measure(ops, rows: int, n: int, k: int, reps: int, amx: bool, onednn_int8: bool) -> list[float]:
+def measure(ops, rows: int, n: int, k: int, reps: int, amx: bool) -> list[float]:
     """Median ms of each column's path for one [rows, k] x [n, k]^T call. Each path cycles
     through copies of the weight that together outgrow the last-level cache (64 MiB of
     int8), so the weights stream from memory as in a model's forward pass."""
@@ -69,31 +69,20 @@ def measure(ops, rows: int, n: int, k: int, reps: int, amx: bool, onednn_int8: b
     for _ in range(copies):
         w = torch.randn(n, k).bfloat16() * 0.02
         qw = formats.quantize(w, "int8_w8a8")
-        onednn = formats.quantize(w, "int8_w8a8")
-        if onednn_int8:
-            formats.prepack_w8a8(onednn, "onednn")
-        bf16_packed = torch.ops.mkldnn._reorder_linear_weight(w, formats.PACK_BATCH_HINT)
+        bf16_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
         amx_packed = formats.pack_amx_w8a8(qw.weight) if amx else None
-        layers.append((qw, onednn, bf16_packed, formats.pack_vnni_w8a8(qw.weight), amx_packed))
+        layers.append((qw, bf16_packed, formats.pack_vnni_w8a8(qw.weight), amx_packed))
     paths = [
         lambda: [
             torch.ops.mkldnn._linear_pointwise(x, bp, None, "none", [], "")
-            for _, _, bp, _, _ in layers
+            for _, bp, _, _ in layers
         ],
         lambda: [
             ops.quant_linear(x, q.kind, q.weight, q.scale, None, q.wsum, 0, None)
             for q, *_ in layers
         ],
-        lambda: [ops.vnni_w8a8_linear(x, v, k, q.scale, q.wsum, None) for q, _, _, v, _ in layers],
+        lambda: [ops.vnni_w8a8_linear(x, v, k, q.scale, q.wsum, None) for q, _, v, _ in layers],
     ]
-    if onednn_int8:
-        paths.insert(
-            1,
-            lambda: [
-                formats.w8a8_large_batch(x, o, None, ops.quantize_per_token_int8)
-                for _, o, _, _, _ in layers
-            ],
-        )
     if amx:
         paths.append(lambda: [ops.amx_w8a8_linear(x, a, k, q.scale, None) for q, *_, a in layers])
     return [median_ms(path, reps, copies) for path in paths]

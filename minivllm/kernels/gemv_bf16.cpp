@@ -153,7 +153,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 rows -> int8 and per-row scales (amax / 127)", nogil);
   m.def("amx_w8a8_available", &amx_w8a8_available, "whether AMX-INT8 runs here (asks Linux for it once)");
   m.def("amx_bf16_available", &amx_bf16_available, "whether AMX-BF16 runs here (asks Linux for it once)");
-  m.def("w8a8_packed_linear", &w8a8_packed_linear, "int8_w8a8 on a prepacked copy (AMX, VNNI or oneDNN)", nogil);
+  m.def("w8a8_packed_linear", &w8a8_packed_linear, "int8_w8a8 on a prepacked copy (AMX or VNNI)", nogil);
   m.def("vnni_w8a8_linear", &vnni_w8a8_linear, "int8_w8a8 GEMM on AVX512-VNNI, per-token scales fused", nogil);
   m.def("amx_w8a8_linear", &amx_w8a8_linear, "int8_w8a8 on AMX-INT8, per-token scales fused", nogil);
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);

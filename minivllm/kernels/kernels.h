@@ -127,8 +127,6 @@ torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in
 // int8_w8a8 on a prepacked copy in any of formats.PACKED_LAYOUTS (told apart by its form).
 torch::Tensor w8a8_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
                                  torch::Tensor wsum, c10::optional<torch::Tensor> bias);
-torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                 const torch::Tensor& scale, const torch::Tensor& bias);
 // DeepSeek sparse attention (dsa.cpp) and routed experts (moe.cpp); the references are
 // minivllm/layers/attention/dsa.py and minivllm/layers/moe.py.
 torch::Tensor dsa_indexer_topk(torch::Tensor index_q, torch::Tensor index_w, torch::Tensor key_rows,

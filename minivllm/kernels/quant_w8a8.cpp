@@ -10,7 +10,6 @@
 // The VNNI code is compiled for that extension alone (the pragma below), so the rest of
 // the module runs on CPUs without it; quant_linear refuses kind 4 there.
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
@@ -27,6 +26,17 @@ namespace {
 
 using bf16 = at::BFloat16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// (acc * xs) * scale, rounded after each product as reference_linear does. The rounding-
+// mode forms keep -ffast-math from reassociating it into acc * (xs * scale), which differs
+// in the last bit and, about once in 10^5 outputs, in the bf16 result.
+inline float scale_in_order(float acc, float xs, float scale) {
+  const __m128 a = _mm_mul_round_ss(_mm_set_ss(acc), _mm_set_ss(xs), kRound);
+  return _mm_cvtss_f32(_mm_mul_round_ss(a, _mm_set_ss(scale), kRound));
+}
+inline __m512 scale_in_order(__m512 acc, __m512 xs, __m512 scale) {
+  return _mm512_mul_round_ps(_mm512_mul_round_ps(acc, xs, kRound), scale, kRound);
+}
 
 // Quantizes one row of x (K % 16 == 0) into q (+ offset) and returns its scale. The
 // divisions use the rounding-mode forms, which -ffast-math cannot turn into reciprocals.
@@ -104,7 +114,7 @@ struct W8A8 {
     for (int m = 0; m < mr; ++m)
       for (int r = 0; r < rows; ++r) {
         const int64_t n = n0 + r;
-        float v = static_cast<float>(out[m * R + r] - 128 * wsum[n]) * xs[m0 + m] * scale[n];
+        float v = scale_in_order(static_cast<float>(out[m * R + r] - 128 * wsum[n]), xs[m0 + m], scale[n]);
         if (bias) v += static_cast<float>(bias[n]);
         y[(m0 + m) * N + n] = bf16(v);
       }
@@ -195,7 +205,7 @@ struct W8A8Gemm {
                             : _mm512_setzero_ps();
       for (int m = 0; m < MR; ++m) {
         const __m512 a = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][j], corr));
-        __m512 v = _mm512_mul_ps(_mm512_mul_ps(a, _mm512_set1_ps(xs[m0 + m])), s);
+        __m512 v = scale_in_order(a, _mm512_set1_ps(xs[m0 + m]), s);
         if (bias) v = _mm512_add_ps(v, b);
         _mm256_mask_storeu_epi16(y + (m0 + m) * N + n, live, (__m256i)_mm512_cvtneps_pbh(v));
       }
@@ -274,35 +284,6 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x
   return {q, xs};
 }
 
-// For batches past the VNNI kernel's rows: oneDNN's int8 GEMM on its prepacked copy of the
-// weight (formats.prepack_w8a8), as formats.w8a8_large_batch does from Python:
-// y = (acc * scale[n]) * xs[m] + bias. The op has no public C++ entry point, hence the
-// dispatcher.
-torch::Tensor w8a8_onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                 const torch::Tensor& scale, const torch::Tensor& bias) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("onednn::qlinear_pointwise", "");
-  auto [xq, xs] = quantize_per_token_int8(x);
-  std::vector<c10::IValue> stack;
-  stack.emplace_back(xq);
-  stack.emplace_back(1.0);  // x scale and zero point: xs is applied after
-  stack.emplace_back(int64_t{0});
-  stack.emplace_back(packed);
-  stack.emplace_back(scale);
-  stack.emplace_back(torch::zeros({scale.size(0)}, scale.options().dtype(at::kLong)));
-  stack.emplace_back(c10::IValue());  // bias: added after the scaling, in float32
-  stack.emplace_back(1.0);            // output scale and zero point
-  stack.emplace_back(int64_t{0});
-  stack.emplace_back(c10::IValue(at::kFloat));
-  stack.emplace_back(std::string("none"));
-  stack.emplace_back(c10::List<std::optional<at::Scalar>>());
-  stack.emplace_back(std::string(""));
-  op.callBoxed(&stack);
-  torch::Tensor y = stack[0].toTensor().mul_(xs.unsqueeze(1));
-  if (bias.numel()) y.add_(bias.to(at::kFloat));
-  return y.to(at::kBFloat16);
-}
-
 torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
                                torch::Tensor wsum, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(__builtin_cpu_supports("avx512vnni"), "vnni_w8a8_linear: int8_w8a8 needs AVX512-VNNI");
@@ -348,9 +329,6 @@ torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in
 
 torch::Tensor w8a8_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
                                  torch::Tensor wsum, c10::optional<torch::Tensor> bias) {
-  if (packed.is_mkldnn())
-    return w8a8_onednn_linear(x.contiguous(), packed, scale,
-                              bias.has_value() && bias->defined() ? *bias : torch::empty({0}, x.options()));
   if (packed.dim() == 5) return amx_w8a8_linear(x, packed, in_features, scale, bias);
   return vnni_w8a8_linear(x, packed, in_features, scale, wsum, bias);
 }

@@ -12,7 +12,7 @@ attention backend) and says why not where one is not.
 A quantized linear qualifies when its method exposes `quant_weights`, a
 `quantization.formats.QuantWeights` the kernels support on this CPU and shape, and keeps
 `kernels_on` true (it runs `quant_linear` itself); the step then gets, per linear, its
-kind and [scale, zero, wsum, oneDNN-packed int8] (empty tensors for none).
+kind and [scale, zero, wsum, int8_w8a8's packed copy] (empty tensors for none).
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class FusedLlamaDecode:
         self.quant_kinds.append(weights.kind)
         self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
         self.quant.append(_or(weights.packed, none))
-        if weights.packed is not None:  # int8_w8a8's copy: AMX's, the VNNI GEMM's or oneDNN's
+        if weights.packed is not None:  # int8_w8a8's copy: the AMX kernel's or the VNNI GEMM's
             # one threshold serves every layer: use() packs them all alike on a machine
             layout = packed_layout(weights.packed)
             assert self._w8a8_layout in (None, layout), "int8_w8a8 layers packed two ways"

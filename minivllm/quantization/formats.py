@@ -19,7 +19,6 @@ The int4 nibbles are packed so that one 16-byte load, widened to 16-bit lanes, g
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +51,7 @@ class QuantWeights:
     `zero` is int4's per-group zero point (None: symmetric, 8), `wsum` int8_w8a8's row
     sums of q, `group_size` int4's k per scale (0 for per-channel schemes). `packed` is a
     prepacked int8 copy for large int8_w8a8 batches (`prepack_w8a8`: our AMX or VNNI
-    GEMM's layout, or oneDNN's); it is derived, so `tensors()` leaves it out and a rebuilt
+    GEMM's layout); it is derived, so `tensors()` leaves it out and a rebuilt
     QuantWeights prepacks anew.
     """
 
@@ -312,16 +311,13 @@ def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) ->
     return scheme != "int4_w4a16" or (_divides(32, group_size) and in_features % group_size == 0)
 
 
-# -- int8_w8a8 for large batches: our AMX or VNNI GEMM, or oneDNN, on a prepacked copy ------
+# -- int8_w8a8 for large batches: our AMX or VNNI GEMM on a prepacked copy ------------------
 
-PACK_BATCH_HINT = 128  # the batch size oneDNN picks its packed layout for
-# rows up to which the VNNI kernel beats oneDNN's int8 GEMM (AMX there) on a prepacked
-# copy: measured on a 2-core Xeon over Qwen3-0.6B's linear shapes with the weights streamed
-# from memory, the kernel is ahead up to 12 rows (1.0-1.2x at 12, 1.4-1.6x at 8), oneDNN
-# from 16 on three shapes of four (1.1-1.2x); with the weights in cache oneDNN wins from 10
-W8A8_MAX_KERNEL_ROWS = 12
-# the same against our AMX kernel (amx_w8a8.cpp), same machine and shapes: at 4 rows the
-# VNNI kernel is 1.1-1.7x ahead, at 6 they are even, at 8 the AMX one leads by 1.3-1.9x
+# (oneDNN's int8 GEMM, torch.ops.onednn.qlinear_pointwise, was a third layout; both our
+# GEMMs beat it on the machines measured, the engine stopped choosing it, and it went.)
+# Rows up to which the VNNI row kernel runs before our AMX kernel (amx_w8a8.cpp): on a
+# 2-core Xeon over Qwen3-0.6B's linear shapes streamed from memory, at 4 rows the VNNI
+# kernel is 1.1-1.7x ahead, at 6 they are even, at 8 the AMX one leads by 1.3-1.9x
 # (benchmarks/w8a8_linear.py)
 W8A8_AMX_MAX_KERNEL_ROWS = 4
 # the same against our VNNI GEMM (quant_w8a8.cpp) on a CPU without AMX: none. On a 2-core
@@ -331,36 +327,24 @@ W8A8_AMX_MAX_KERNEL_ROWS = 4
 W8A8_VNNI_MAX_KERNEL_ROWS = 0
 AMX_BLOCK_N, AMX_BLOCK_K = 32, 64  # output rows per weight block, int8 k per tile row
 VNNI_PANEL = 32  # output rows per panel of pack_vnni_w8a8's layout
-PACKED_LAYOUTS = ("amx", "vnni", "onednn")
-
-
-def onednn_int8_available() -> bool:
-    """Whether this torch has oneDNN's int8 linear (`onednn::qlinear_prepack`)."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")
+PACKED_LAYOUTS = ("amx", "vnni")
 
 
 def prepack_w8a8(qw: QuantWeights, layout: str) -> None:
     """Fill `qw.packed` with a copy of the int8 weight for large batches in `layout`: our
-    AMX kernel's (`pack_amx_w8a8`), our VNNI GEMM's (`pack_vnni_w8a8`) or oneDNN's
-    (RuntimeError where this torch lacks its int8 linear)."""
+    AMX kernel's (`pack_amx_w8a8`) or our VNNI GEMM's (`pack_vnni_w8a8`)."""
     if qw.scheme != "int8_w8a8":
         raise ValueError(f"only int8_w8a8 weights are prepacked, not {qw.scheme}")
     if layout == "amx":
         qw.packed = pack_amx_w8a8(qw.weight)
     elif layout == "vnni":
         qw.packed = pack_vnni_w8a8(qw.weight)
-    elif layout == "onednn":
-        if not onednn_int8_available():
-            raise RuntimeError("oneDNN's int8 linear (onednn::qlinear_prepack) is unavailable")
-        qw.packed = torch.ops.onednn.qlinear_prepack(qw.weight, [PACK_BATCH_HINT, qw.in_features])
     else:
         raise ValueError(f"packed layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
 
 
 def packed_layout(packed: Tensor) -> str:
-    """Which of PACKED_LAYOUTS a prepacked int8_w8a8 copy is in (oneDNN's is opaque)."""
-    if packed.is_mkldnn:
-        return "onednn"
+    """Which of PACKED_LAYOUTS a prepacked int8_w8a8 copy is in."""
     return "amx" if packed.dim() == 5 else "vnni"
 
 
@@ -384,11 +368,8 @@ def w8a8_max_kernel_rows(packed: Tensor | None) -> int:
     """Rows up to which the VNNI kernel runs int8_w8a8 before the prepacked copy's GEMM."""
     if packed is None:
         return 1 << 62
-    return {
-        "amx": W8A8_AMX_MAX_KERNEL_ROWS,
-        "vnni": W8A8_VNNI_MAX_KERNEL_ROWS,
-        "onednn": W8A8_MAX_KERNEL_ROWS,
-    }[packed_layout(packed)]
+    amx = packed_layout(packed) == "amx"
+    return W8A8_AMX_MAX_KERNEL_ROWS if amx else W8A8_VNNI_MAX_KERNEL_ROWS
 
 
 def pack_amx_w8a8(q: Tensor) -> Tensor:
@@ -412,28 +393,3 @@ def pack_vnni_w8a8(q: Tensor) -> Tensor:
     padded = torch.nn.functional.pad(q, (0, 0, 0, -n % VNNI_PANEL))
     panels = padded.view(-1, VNNI_PANEL, k // 4, 4)  # p c kq e
     return panels.permute(0, 2, 1, 3).contiguous()
-
-
-def w8a8_large_batch(
-    x: Tensor,
-    qw: QuantWeights,
-    bias: Tensor | None = None,
-    quantize_rows: Callable[[Tensor], tuple[Tensor, Tensor]] | None = None,
-) -> Tensor:
-    """int8_w8a8 through oneDNN's int8 GEMM on `qw.packed` (AMX where present): the same
-    numbers as `reference_linear` (exact int32 sums), faster than the VNNI kernel from a
-    few dozen rows. `quantize_rows` is the compiled `quantize_per_token_int8`, or None for
-    `quantize_per_token`."""
-    if qw.packed is None or packed_layout(qw.packed) != "onednn":
-        raise RuntimeError('no oneDNN-packed weight: call prepack_w8a8(qw, "onednn") first')
-    rows = x.reshape(-1, qw.in_features)
-    xq, xs = (quantize_rows or quantize_per_token)(rows)
-    no_zero = torch.zeros(qw.out_features, dtype=torch.int64)
-    # (acc * scale[n]) * xs[m] in float32: the reference's product, multiplied in another order
-    acc_scaled = torch.ops.onednn.qlinear_pointwise(
-        xq, 1.0, 0, qw.packed, qw.scale, no_zero, None, 1.0, 0, torch.float32, "none", [], ""
-    )
-    y = acc_scaled * xs[:, None]
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype).reshape(*x.shape[:-1], qw.out_features)
