@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -53,6 +54,9 @@ struct Problem {
 };
 
 template <class D>
+constexpr bool kInScratch = std::is_same_v<D, ScratchRows<D::kVectors>>;
+
+template <class D>
 inline const typename D::X* x_rows(const Problem& p, const void* x, int m, int64_t u) {
   return static_cast<const typename D::X*>(x) + m * p.ldx + u * D::kUnitK;
 }
@@ -66,9 +70,12 @@ __attribute__((always_inline)) inline void madd_units(const Problem& p, const ui
                                                       int64_t u1, __m512 (&acc)[MR][R][A]) {
   for (int64_t u = u0; u < u1; ++u)
     for (int r = 0; r < R; ++r) {
-      if (wnext) _mm_prefetch(reinterpret_cast<const char*>(wnext + r * ldw + u * D::kBytes), _MM_HINT_T1);
+      const int64_t offset = r * ldw + u * D::kBytes;
+      // rows from memory always prefetch (no branch in the loop: with one, GCC kept the
+      // accumulators on the stack); rows in scratch never do
+      if constexpr (!kInScratch<D>) _mm_prefetch(reinterpret_cast<const char*>(wnext + offset), _MM_HINT_T1);
       for (int m = 0; m < MR; ++m)
-        D::template madd<Tail>(w + r * ldw + u * D::kBytes, p.tail_bytes, x_rows<D>(p, x, m, u),
+        D::template madd<Tail>(w + offset, p.tail_bytes, x_rows<D>(p, x, m, u),
                                acc[m][r][0], acc[m][r][A - 1]);
     }
 }
@@ -124,29 +131,59 @@ inline float int4_offset(const float* scale, const float* zero, const float* xsu
   return _mm512_reduce_add_ps(acc);
 }
 
+// acc[m][r] += scale[r, g] * (rows r's partial sums over units [u0, u1) of group g): one
+// group, or its part when the group is split around the row's partial last unit.
+template <class D, int MR, int R, bool WholeUnits, bool Tail>
+__attribute__((always_inline)) inline void scaled_group(const Problem& p, const uint8_t* w, int64_t ldw,
+                                                        const void* x, const uint8_t* wnext, const float* scale,
+                                                        int64_t g, int64_t u0, int64_t u1, __m512 (&acc)[MR][R]) {
+  // one partial sum per row pair (two, as dot_tile keeps at M = 1, measured slower here)
+  __m512 part[MR][R][1];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) part[m][r][0] = _mm512_setzero_ps();
+  madd_units<D, Tail>(p, w, ldw, x, wnext, u0, u1, part);
+  for (int r = 0; r < R; ++r) {
+    const __m512 sv = WholeUnits ? _mm512_set1_ps(scale[r * p.num_groups + g])
+                                 : lane_scales(p, scale + r * p.num_groups, u0);
+    for (int m = 0; m < MR; ++m) acc[m][r] = _mm512_fmadd_ps(sv, part[m][r][0], acc[m][r]);
+  }
+}
+
+// acc[m][r] = sum over groups of scale[r, g] * (the group's partial sums). WholeUnits:
+// groups of a multiple of 128 k span whole units and take one broadcast scale; else groups
+// (32, 64, 96, ...) are scaled unit by unit and lane by lane (lane_scales). The row's
+// partial last unit (Tail) is taken after the loop, and each scaling has a loop of its
+// own: with the tail or both scalings inside one loop GCC kept the partial sums and the
+// accumulators on the stack, storing 16 vectors a unit (~1.4x slower at 128-k groups).
+template <class D, int MR, int R, bool WholeUnits>
+__attribute__((always_inline)) inline void scaled_groups(const Problem& p, const uint8_t* w, int64_t ldw,
+                                                         const void* x, const uint8_t* wnext, int64_t n0,
+                                                         __m512 (&acc)[MR][R]) {
+  const int64_t step = WholeUnits ? p.units_per_group : 1;
+  const int64_t whole = p.tail_bytes ? p.units - 1 : p.units;  // units without the tail
+  const float* scale = p.scale + n0 * p.num_groups;
+  int64_t u0 = 0, g = 0;
+  for (; u0 + step <= whole; u0 += step, ++g)
+    scaled_group<D, MR, R, WholeUnits, false>(p, w, ldw, x, wnext, scale, g, u0, u0 + step, acc);
+  if (u0 < whole) scaled_group<D, MR, R, WholeUnits, false>(p, w, ldw, x, wnext, scale, g, u0, whole, acc);
+  if (p.tail_bytes) {  // the last group's last unit (a group of its own where step is 1)
+    const int64_t gt = WholeUnits ? (p.units - 1) / step : p.units - 1;
+    scaled_group<D, MR, R, WholeUnits, true>(p, w, ldw, x, wnext, scale, gt, p.units - 1, p.units, acc);
+  }
+}
+
 // As dot_tile, for int4's groups: each group's partial sums, scaled, go into the total.
-// Groups of a multiple of 128 k span whole units and take one broadcast scale; smaller or
-// odd ones (32, 64, 96, ...) are scaled unit by unit and lane by lane (lane_scales).
 template <class D, int MR, int R>
 inline void group_tile(const Problem& p, const uint8_t* w, int64_t ldw, const void* x,
                        const uint8_t* wnext, int64_t n0, int64_t m0, float* out) {
-  // one partial sum per row pair (two, as dot_tile keeps at M = 1, measured slower here)
-  __m512 acc[MR][R], part[MR][R][1];
+  __m512 acc[MR][R];
   for (int m = 0; m < MR; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = part[m][r][0] = _mm512_setzero_ps();
-  const int64_t groups = p.num_groups, step = p.units_per_group ? p.units_per_group : 1;
-  const float* scale = p.scale + n0 * groups;
-  for (int64_t u0 = 0, g = 0; u0 < p.units; u0 += step, ++g) {
-    madd_span<D>(p, w, ldw, x, wnext, u0, std::min(u0 + step, p.units), part);
-    for (int r = 0; r < R; ++r) {
-      const __m512 sv = p.units_per_group ? _mm512_set1_ps(scale[r * groups + g])
-                                          : lane_scales(p, scale + r * groups, u0);
-      for (int m = 0; m < MR; ++m) {
-        acc[m][r] = _mm512_fmadd_ps(sv, part[m][r][0], acc[m][r]);
-        part[m][r][0] = _mm512_setzero_ps();
-      }
-    }
-  }
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  if (p.units_per_group)
+    scaled_groups<D, MR, R, true>(p, w, ldw, x, wnext, n0, acc);
+  else
+    scaled_groups<D, MR, R, false>(p, w, ldw, x, wnext, n0, acc);
+  const int64_t groups = p.num_groups;
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
@@ -212,7 +249,8 @@ void stream_blocks(const Problem& p) {
       } else {
         for (int r = 0; r < rows; ++r) {
           float one[MR];
-          any_tile<D, Grouped, MR, 1>(p, w + r * p.ldw, p.ldw, p.x, nullptr, n0 + r, 0, one);
+          const uint8_t* row = w + r * p.ldw;  // its own row as the prefetch target
+          any_tile<D, Grouped, MR, 1>(p, row, p.ldw, p.x, row, n0 + r, 0, one);
           for (int m = 0; m < MR; ++m) out[m * R + r] = one[m];
         }
       }
