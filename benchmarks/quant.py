@@ -12,6 +12,8 @@ Variants (each in its own subprocess, one after another, so they never share the
              quantizes its output matrix too)
   int4       int4_w4a16 (group 128, symmetric) on the linear layers, int8 on the LM head
              (llama.cpp's Q4_0 and Q4_K_M keep the output matrix at 6 bits, q6_K)
+  int4-all   int4_w4a16 on the LM head too (llama.cpp's `llama-quantize --pure` Q4_0):
+             a quarter of the head's bytes for a coarser output distribution
   w8a8       int8_w8a8 on the linear layers, LM head bf16 (vLLM's W8A8 checkpoints keep it)
   fp8        fp8_w8a16 on the linear layers (the shorthand: LM head unquantized)
   int8-nohead / int4-nohead   the shorthands as they are (LM head unquantized)
@@ -44,6 +46,10 @@ VARIANTS: dict[str, dict] = {
     "int4": {
         "quantization": "online",
         "quantization_config": {"targets": {"*": "int4_w4a16", **HEAD_INT8}},
+    },
+    "int4-all": {
+        "quantization": "online",
+        "quantization_config": {"targets": {"*": "int4_w4a16", "lm_head": "int4_w4a16"}},
     },
     "w8a8": {"quantization": "int8_w8a8"},
     "fp8": {"quantization": "fp8"},
