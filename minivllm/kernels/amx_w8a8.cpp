@@ -88,10 +88,7 @@ struct Gemm {
       for (int64_t mi = 0; mi < rows; ++mi) {
         const int64_t m = m0 + mi;
         const __m512 acc = _mm512_cvtepi32_ps(_mm512_load_si512(c[2 * (mi / 16) + j][mi % 16]));
-        // (acc * xs) * scale as the reference rounds it: the rounding-mode forms keep
-        // -ffast-math from reassociating the two products
-        constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        __m512 v = _mm512_mul_round_ps(_mm512_mul_round_ps(acc, _mm512_set1_ps(xs[m]), kRound), s, kRound);
+        __m512 v = scale_in_order(acc, _mm512_set1_ps(xs[m]), s);
         if (bias) v = _mm512_add_ps(v, b);
         _mm256_mask_storeu_epi16(y + m * N + n0, live, (__m256i)_mm512_cvtneps_pbh(v));
       }

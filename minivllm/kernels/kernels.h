@@ -65,6 +65,20 @@ inline __m512 round_bf16x16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
+// int8_w8a8's output scaling, (acc * xs) * scale, rounded after each product as
+// formats.reference_linear does. The rounding-mode forms keep -ffast-math from
+// reassociating it into acc * (xs * scale), which differs in the last bit and, about once
+// in 10^5 outputs, in the bf16 result (quant_w8a8.cpp, amx_w8a8.cpp).
+inline __m512 scale_in_order(__m512 acc, __m512 xs, __m512 scale) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return _mm512_mul_round_ps(_mm512_mul_round_ps(acc, xs, kNearest), scale, kNearest);
+}
+inline float scale_in_order(float acc, float xs, float scale) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m128 a = _mm_mul_round_ss(_mm_set_ss(acc), _mm_set_ss(xs), kNearest);
+  return _mm_cvtss_f32(_mm_mul_round_ss(a, _mm_set_ss(scale), kNearest));
+}
+
 // Lane i of the result is the sum of the 16 lanes of v[i].
 inline __m512 sum16(const __m512* v) {
   __m512 x[8], y[4], z[2];

@@ -27,17 +27,6 @@ namespace {
 using bf16 = at::BFloat16;
 constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-// (acc * xs) * scale, rounded after each product as reference_linear does. The rounding-
-// mode forms keep -ffast-math from reassociating it into acc * (xs * scale), which differs
-// in the last bit and, about once in 10^5 outputs, in the bf16 result.
-inline float scale_in_order(float acc, float xs, float scale) {
-  const __m128 a = _mm_mul_round_ss(_mm_set_ss(acc), _mm_set_ss(xs), kRound);
-  return _mm_cvtss_f32(_mm_mul_round_ss(a, _mm_set_ss(scale), kRound));
-}
-inline __m512 scale_in_order(__m512 acc, __m512 xs, __m512 scale) {
-  return _mm512_mul_round_ps(_mm512_mul_round_ps(acc, xs, kRound), scale, kRound);
-}
-
 // Quantizes one row of x (K % 16 == 0) into q (+ offset) and returns its scale. The
 // divisions use the rounding-mode forms, which -ffast-math cannot turn into reciprocals.
 template <typename Out>
