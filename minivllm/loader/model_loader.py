@@ -19,6 +19,7 @@ from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.loader.safetensors_loader import iterate_weights
 from minivllm.models.registry import resolve_model_class
+from minivllm.utils import huge_pages
 
 logger = logging.getLogger("minivllm")
 
@@ -53,6 +54,8 @@ def load_model(
     with torch.device(device), default_dtype(config.dtype):
         model = model_cls(config.hf_config, config.max_model_len)
         quantize_layers(model, config)
+    for param in model.parameters():  # not yet written: the checkpoint fills huge pages
+        huge_pages.advise(param)
     model.load_weights(iterate_weights(config.model))
     process_weights_after_loading(model, kernels, available_bytes)
     return model.eval()
@@ -123,3 +126,5 @@ def process_weights_after_loading(
     for module in model.modules():
         if isinstance(module, CustomOp):
             module.select_kernels(kernels)
+    if not mapped:  # the weight cache's mappings are shared memory, not ours to move
+        huge_pages.collapse(huge_pages.module_tensors(model), "weights")
