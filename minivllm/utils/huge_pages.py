@@ -1,136 +1,92 @@
-"""Transparent huge pages (2 MiB) under the engine's large, long-lived host tensors.
+"""Quantized weights on transparent huge pages (2 MiB).
 
-A decode step on CPU streams every weight and the context's KV cache from memory, through
-4 KiB pages by default: at the Qwen3-0.6B shape that is ~75,000 pages of int4 weights and
-~7,000 of KV cache a step, each a TLB miss and a page walk, and the hardware prefetchers
-stop at every 4 KiB boundary. Measured on a 2-vCPU AMD EPYC (Zen 4) with one thread per
-core, in one process, the same data on 4 KiB and on 2 MiB pages (docs/performance.md,
-item 21): paged decode attention over 28 layers' caches, 256 tokens, 1.33x faster
-(1.40x with the blocks scattered); the int4 weight-streaming kernel on the model's linear
-shapes 1.08x; bf16's GEMV 1.02x.
+Batch-1 decode on CPU streams every weight from memory each step, through 4 KiB pages by
+default: for the int4 Qwen3-0.6B shape ~75,000 page walks a step, and the hardware
+prefetchers stop at every 4 KiB boundary. Most Linux distributions ship THP in "madvise"
+mode, where a range gets huge pages only if asked, and a quantized linear's tensors
+(1-3 MiB each at that shape) seldom cover a whole aligned 2 MiB page anyway. So the
+quantized methods copy their tensors, once at load, into `HugePageArena` chunks: 64 MiB
+anonymous mappings advised MADV_HUGEPAGE, filled one tensor after another.
 
-Most Linux distributions ship THP in "madvise" mode: a range gets huge pages only if
-asked. The KV cache is asked right after `torch.empty` (`advise`), before its pages are
-first written, so they fault in as huge pages; the weights are already written when the
-model is ready, so their pages are collapsed in place (`collapse`, MADV_COLLAPSE, Linux
-6.1+), which copies each 2 MiB once at load. Both are hints: where the kernel has no huge
-page to give, or is older, or THP is off ("never"), memory stays as it was and nothing
-else changes. Opt out with MINIVLLM_HUGE_PAGES=0.
+Measured on a 2-vCPU AMD EPYC (Zen 4), the same data on either kind of page, in one
+process (docs/performance.md, item 21): the int4 row kernel over the model's four linear
+shapes 1.08x, bf16's GEMV 1.02x. bf16 weights stay where the checkpoint loader put them:
+moving 1.2 GB cost 1.2-2.7 s of start-up (MADV_COLLAPSE, or faulting huge pages in
+during the load) for those 2%. The KV cache stays on small pages too: its first write
+to each 2 MiB would zero the whole page, and a request touches one in every KV head of
+every layer (~2.5 s on the first request at this shape).
 
-Only the 2 MiB-aligned interior of a tensor's memory is advised: its first and last
-partial huge page may hold other allocations.
+Advice is a hint: where the kernel has no huge page to give, or THP is "never", the
+arena's pages are ordinary ones and nothing else changes. MINIVLLM_HUGE_PAGES=0 skips it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import logging
+import mmap
 import os
 import sys
 import time
-from collections.abc import Iterable
 
 import torch
 
-logger = logging.getLogger("minivllm")
-
 HUGE_PAGE_BYTES = 2 << 20
 HUGE_PAGES_ENV = "MINIVLLM_HUGE_PAGES"
-_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # linux/mman.h
+CHUNK_BYTES = 64 << 20
+ALIGN = 64  # bytes: a cache line, and the AVX-512 kernels' vector
 
 
 def enabled() -> bool:
-    return sys.platform.startswith("linux") and os.environ.get(HUGE_PAGES_ENV, "1") != "0"
+    return (
+        sys.platform.startswith("linux")
+        and hasattr(mmap, "MADV_HUGEPAGE")
+        and os.environ.get(HUGE_PAGES_ENV, "1") != "0"
+    )
 
 
-def _madvise() -> ctypes._CFuncPtr | None:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+class HugePageArena:
+    """Copies of tensors packed into huge-page-advised chunks; a chunk is unmapped when
+    the last tensor in it is gone. Tensors over a chunk get a mapping of their own."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._chunk: torch.Tensor | None = None  # uint8 view of the current chunk
+        self._used = 0
+        self.bytes_placed = 0
+        self.seconds = 0.0  # spent mapping and copying
+
+    def _map(self, nbytes: int) -> torch.Tensor:
+        size = -(-(nbytes + HUGE_PAGE_BYTES) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+        whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` mapped
+        start = -whole.data_ptr() % HUGE_PAGE_BYTES  # the first 2 MiB boundary
+        return whole[start : start + size - HUGE_PAGE_BYTES]
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor`'s copy in the arena (contiguous), or `tensor` itself where huge pages
+        are off or it is not a CPU tensor."""
+        if not enabled() or tensor.device.type != "cpu" or tensor.numel() == 0:
+            return tensor
+        start = time.perf_counter()
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.chunk_bytes:
+            room = self._map(nbytes)
+        else:
+            offset = -(-self._used // ALIGN) * ALIGN
+            if self._chunk is None or offset + nbytes > self._chunk.numel():
+                self._chunk, offset = self._map(self.chunk_bytes), 0
+            room = self._chunk[offset:]
+            self._used = offset + nbytes
+        out = room[:nbytes].view(tensor.dtype).view(tensor.shape)
+        out.copy_(tensor)
+        self.bytes_placed += nbytes
+        self.seconds += time.perf_counter() - start
+        return out
 
 
-def _interior(t: torch.Tensor) -> tuple[int, int] | None:
-    """The 2 MiB-aligned part of `t`'s storage: (start address, length), or None."""
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_sparse:
-        return None
-    storage = t.untyped_storage()
-    begin, size = storage.data_ptr(), storage.nbytes()
-    start = -(-begin // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    end = (begin + size) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    return (start, end - start) if end > start else None
+_weights_arena = HugePageArena()
 
 
-def _apply(tensors: Iterable[torch.Tensor], advice: int) -> tuple[int, int]:
-    """madvise(advice) on each distinct storage's interior: (bytes advised, bytes refused)."""
-    fn = _madvise() if enabled() else None
-    if fn is None:
-        return 0, 0
-    done = refused = 0
-    seen: set[int] = set()
-    for t in tensors:
-        span = _interior(t)
-        if span is None or span[0] in seen:
-            continue
-        seen.add(span[0])
-        if fn(span[0], span[1], advice) == 0:
-            done += span[1]
-        else:  # EINVAL (old kernel, THP "never", a shared mapping), EAGAIN/ENOMEM (none free)
-            refused += span[1]
-    return done, refused
-
-
-def advise(tensor: torch.Tensor) -> torch.Tensor:
-    """Ask for huge pages under a freshly allocated, not yet written `tensor` (returned)."""
-    _apply([tensor], _MADV_HUGEPAGE)
-    return tensor
-
-
-def collapse(tensors: Iterable[torch.Tensor], what: str) -> int:
-    """Move the pages of already written `tensors` onto huge pages, in place; returns the
-    bytes moved and logs them. Tensors under 2 MiB (and any repeat) are skipped."""
-    start = time.perf_counter()
-    done, refused = _apply(tensors, _MADV_COLLAPSE)
-    if done:
-        logger.info(
-            "huge pages: %.2f GiB of %s on 2 MiB pages (%.2f s)",
-            done / 2**30,
-            what,
-            time.perf_counter() - start,
-        )
-    if refused:
-        logger.info(
-            "huge pages: the kernel kept %.2f GiB of %s on small pages (THP off, or none "
-            "free); set %s=0 to skip asking",
-            refused / 2**30,
-            what,
-            HUGE_PAGES_ENV,
-        )
-    return done
-
-
-def module_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every tensor a model holds for inference: parameters, buffers, and what the linear
-    methods keep beside them (quantized weights in the kernels' layout, prepacked copies)."""
-    tensors: list[torch.Tensor] = [*model.parameters(), *model.buffers()]
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        for holder in (
-            method,
-            getattr(method, "quant_weights", None),
-            getattr(method, "cpu_kernel", None),
-        ):
-            tensors += [v for v in _attributes(holder) if isinstance(v, torch.Tensor)]
-    return tensors
-
-
-def _attributes(obj: object) -> list[object]:
-    if obj is None:
-        return []
-    if dataclasses.is_dataclass(obj):  # slotted ones have no __dict__
-        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    return list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+def weights_arena() -> HugePageArena:
+    """The process's arena for quantized weights (QuantizedLinearMethod.install)."""
+    return _weights_arena

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from minivllm.layers.attention.kv_cache_spec import KVCacheSpec
-from minivllm.utils import huge_pages
 
 
 @dataclass(slots=True)
@@ -96,10 +95,8 @@ class AttentionBackend(ABC):
 
     def allocate_kv_cache(self, spec: KVCacheSpec, num_blocks: int, device: str) -> torch.Tensor:
         """Not zeroed (that alone took seconds for a few GB): attention reads only slots
-        it has written, and masks the padding it gathers. On CPU its pages fault in as
-        huge pages where the kernel has them (utils/huge_pages.py)."""
-        cache = torch.empty(self.kv_cache_shape(spec, num_blocks), dtype=spec.dtype, device=device)
-        return huge_pages.advise(cache)
+        it has written, and masks the padding it gathers."""
+        return torch.empty(self.kv_cache_shape(spec, num_blocks), dtype=spec.dtype, device=device)
 
     @abstractmethod
     def build_metadata(self, common: CommonAttentionMetadata) -> Any:

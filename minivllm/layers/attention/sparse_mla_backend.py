@@ -30,7 +30,6 @@ from minivllm.layers.attention.dsa import (
     sparse_mla_decode,
 )
 from minivllm.layers.attention.kv_cache_spec import KVCacheSpec, MLAAttentionSpec
-from minivllm.utils import huge_pages
 
 
 @dataclass(slots=True)
@@ -80,7 +79,7 @@ class SparseMLABackend(AttentionBackend):
         index = torch.empty(
             (num_blocks, spec.block_size, spec.index_head_dim), dtype=spec.dtype, device=device
         )
-        return huge_pages.advise(latent), huge_pages.advise(index)
+        return latent, index
 
     def build_metadata(self, common: CommonAttentionMetadata) -> SparseMLAMetadata:
         self._selections.clear()  # a new step (or the draft's forward): nothing to share yet
