@@ -9,6 +9,12 @@ second sum of the same length, and scales each group's sum (one rounding); the
 panel form (past 8 rows) rounds (q - z) * s once and sums in the panel GEMM. The test bound
 covers all of these: (2 K + 8) 2^-24 sum_k |x_k| (|q_k| + |z|) s, plus 2^-23 of the
 result and the bias.
+
+Up to 8 rows int8 and int4 take the integer form: x is rounded to int16 in blocks with a
+power-of-two scale s_b < 2 amax_b / 32767 (at least 2^-126), so each x_k moves by at most
+s_b / 2 < max(amax / 32767, 2^-127) (amax: the row's largest |x|), and the result by at
+most that times sum_k |v_k| more; its integer sums are exact, and their conversions and
+scaling are a few roundings the bound above already covers.
 """
 
 from __future__ import annotations
@@ -31,7 +37,12 @@ def _bound(x: torch.Tensor, qw: formats.QuantWeights, ref: torch.Tensor, bias: t
     else:
         magnitude = formats.dequantize(qw).double().abs()
     sums = x.double().abs() @ magnitude.T
-    return (2 * k + 8) * 2.0**-24 * sums + 2.0**-23 * (ref.abs() + bias.double().abs())
+    bound = (2 * k + 8) * 2.0**-24 * sums + 2.0**-23 * (ref.abs() + bias.double().abs())
+    if qw.scheme in ("int8_w8a16", "int4_w4a16") and x.shape[0] <= 8:  # the integer form
+        amax = x.double().abs().amax(dim=1, keepdim=True)
+        moved = (amax / 32767).clamp(min=2.0**-127)
+        bound = bound + moved * formats.dequantize(qw).double().abs().sum(1)
+    return bound
 
 
 SCHEMES = [
@@ -70,6 +81,45 @@ def test_linear_quantw_matches_float64(avx2, scheme, group, symmetric, m, n, k):
     assert y.shape == (m, n) and y.dtype == torch.float32
     ref = x.double() @ formats.dequantize(qw).double().T + bias.double()
     assert ((y.double() - ref).abs() <= _bound(x, qw, ref, bias) + 1e-30).all()
+
+
+INTEGER_FORM = [("int8_w8a16", 0), ("int4_w4a16", 128), ("int4_w4a16", 32)]
+
+
+@needs_avx2
+@pytest.mark.parametrize("scheme,group", INTEGER_FORM)
+@pytest.mark.parametrize("magnitude", [1e30, 1e-36])
+@pytest.mark.parametrize("m", [1, 5])
+def test_integer_form_holds_extreme_activations(avx2, scheme, group, magnitude, m):
+    """The integer form's power-of-two block scales at both ends of fp32's range: rows near
+    1e30 keep the relative bound; rows near 1e-36 (scales held at 2^-126, so that their
+    inverse is finite) move by at most 2^-127 a value. K = 1000 puts int8's last 8 k on
+    the fp32 tail."""
+    gen = torch.Generator().manual_seed(m)
+    k = 1024 if group else 1000
+    qw = formats.quantize(torch.randn(24, k, generator=gen), scheme, group or 128)
+    x = torch.randn(m, k, generator=gen) * magnitude
+    y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, None)
+    ref = x.double() @ formats.dequantize(qw).double().T
+    assert bool(torch.isfinite(y).all())
+    assert ((y.double() - ref).abs() <= _bound(x, qw, ref, torch.zeros(24))).all()
+
+
+@needs_avx2
+@pytest.mark.parametrize("scheme,group", INTEGER_FORM)
+@pytest.mark.parametrize("m", [1, 3])
+def test_integer_form_propagates_nan_and_inf(avx2, scheme, group, m):
+    """A NaN or an inf in a row of x makes every output of that row non-finite, as the
+    float product does (the block's scale is NaN), and leaves the other rows alone."""
+    gen = torch.Generator().manual_seed(7)
+    qw = formats.quantize(torch.randn(20, 256, generator=gen), scheme, group or 128)
+    x = torch.randn(m, 256, generator=gen)
+    x[0, 5] = float("nan") if m == 1 else float("inf")
+    y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, None)
+    assert not bool(torch.isfinite(y[0]).any())
+    ref = x[1:].double() @ formats.dequantize(qw).double().T
+    assert bool(torch.isfinite(y[1:]).all())
+    assert ((y[1:].double() - ref).abs() <= _bound(x[1:], qw, ref, torch.zeros(20))).all()
 
 
 @needs_avx2

@@ -86,7 +86,11 @@ def _check_against_oracle(model_dir, llm: LLM) -> int:
                 if spec.scheme == "int8_w8a8":
                     w8a8.add(hf_name)
     hf = _fake_quantized_hf(model_dir, chosen, w8a8)
-    assert_logprobs_match(hf, PROMPTS, _run(llm))
+    # 5e-4, not conftest's 1e-4: up to 8 rows the fp32 engine's int8 and int4 linears round
+    # each block of activations to int16 (kernels/avx2_quant.cpp, the integer form: each
+    # value moves by at most 2^-15 of its block's largest), which moved these logprobs by
+    # up to 1.1e-4 (int4, groups of 32) where the fp32 forms stay within 2e-6
+    assert_logprobs_match(hf, PROMPTS, _run(llm), tol=5e-4)
     return len(chosen)
 
 

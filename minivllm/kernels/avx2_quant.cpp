@@ -5,36 +5,50 @@
 // y[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) with w the scheme's dequantized weight:
 // int8 q * s[n], fp8 e4m3(q) * s[n], int4 (q - z[n, g]) * s[n, g] in groups of G k.
 //
-// Up to 8 rows (decode, small batches) the product is the register form, R weight rows
-// at a time: a unit of a row (16 k of int8 or fp8, 32 k of int4) is turned into fp32
-// vectors in registers, multiplied into two accumulators per (x row, weight row) that
-// alternate (two chains of FMA latency, not one), and each group's sum is scaled once at
-// the group's end. Each weight byte is read once per call from memory (once per pair of
-// rows from L1), and R rows share each x load. Past 8 rows (larger batches, prefill) the
-// bf16 panels' GEMM micro-kernel (avx2_gemm.h) runs on fp32 panels dequantized from the
-// rows block by block, each weight decoded once per call.
+// Up to 8 rows (decode, small batches) the product is a register form, R weight rows at
+// a time, each weight byte read once per call from memory (once per pair of rows from L1):
+//   int8, int4  the integer form: each row of x is rounded to int16 in blocks (int8: 128 k,
+//         int4: its group) with a power-of-two scale per block, and the weights, widened
+//         to int16, meet it in vpmaddwd (16 products, summed in pairs into 8 exact int32
+//         lanes, per instruction); each block's int32 sums are scaled once at its end.
+//   fp8   the fp32 form: a 16-k unit turned into two fp32 vectors, FMAs into two
+//         accumulators per (x row, weight row) that alternate (two chains of latency).
+// Past 8 rows (larger batches, prefill) the bf16 panels' GEMM micro-kernel (avx2_gemm.h)
+// runs on fp32 panels dequantized from the rows block by block, each weight decoded once
+// per call.
 //
-// Decoding, per scheme (every decoded value is exact; only the fp32 sums' order differs
-// from formats.reference_linear):
-//   int8  vpmovsxbd + vcvtdq2ps, 8 k per vector.
+// Why int16 activations (2026-12-03, AMD EPYC Zen 1, one core, weights in L1): widening
+// int8 to fp32 (vpmovsxbd, vcvtdq2ps) and an FMA per 8 weights ran at 6.5 G weights/s,
+// int8 -> int16 and vpmaddwd per 16 at 13.7, int4 likewise at 11.3 (the fp32 form's int4:
+// ~4); from memory on two cores the fp32 form's int8 streamed at 11 GB/s where the bf16
+// panels reach 21, so the weights' bytes were not what a step waited on. The cost is the
+// rounding of x: with block scale s (amax / 32767 <= s < 2 amax / 32767) each x_k moves
+// by at most s / 2, a relative 2^-16..2^-15 of the block's largest value, where a bf16
+// engine's activations move by 2^-9 of each value. Integer-valued x (int8_w8a8's
+// quantized activations, |x| <= 127: s = 2^-8) is held exactly.
+//
+// Decoding, per scheme (every decoded value is exact; the fp32 forms differ from
+// formats.reference_linear only in their sums' order, the integer form by x's rounding):
+//   int8  vpmovsxbw, 16 k per vector (integer form); vpmovsxbd + vcvtdq2ps, 8 k (panels).
 //   fp8   e4m3 byte b sign-extended to a 32-bit lane d: ((d << 20) & 0x07F00000) |
 //         (d & 0x80000000) are fp32 bits with e4m3's exponent field and mantissa in place,
 //         the number times 2^-120 (its subnormals, exponent 0, land on fp32 subnormals with
 //         the same scaling); one multiply by 2^120 gives it. That needs the CPU to read
 //         subnormal inputs as they are: each thread clears MXCSR's DAZ/FTZ for the call.
 //   int4  a 16-byte chunk holds k 0-15 in its low nibbles and 16-31 in its high ones
-//         (formats.pack_int4). Low nibbles in the lower 128 bits, high ones in the upper,
-//         32-bit lane i then holds 4 consecutive k (4i + j, j = 0..3) in its 4 bytes, and
-//         (v >> 8j) & 0xF gives 8 of them per vector with integer shifts only (no shuffles
-//         per weight). x is laid out in the same order once per call (`prepare_int4_x`).
-//         The products use q, not q - z: per group, z * sum_k x is subtracted at the end.
+//         (formats.pack_int4): & 0xF and (>> 4) & 0xF, each widened to int16, are those
+//         32 k in order (the panel form widens 8 of them to fp32). The products use q, not q - z: per group, z * sum_k x is
+//         subtracted at the end.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "avx2_gemm.h"
@@ -65,17 +79,6 @@ inline __m256 fp8x8(const uint8_t* p) {
   return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
 }
 
-// int4 chunk -> 4 vectors; vector j lane i holds k 4i + j of the chunk (in prepare_int4_x's order)
-inline void int4x32(const uint8_t* p, __m256 w[4]) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  const __m256i nibble = _mm256_set1_epi32(0x0F);
-  const __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);
-  w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, nibble));
-  w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 8), nibble));
-  w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 16), nibble));
-  w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v, 24), nibble));
-}
-
 inline float fp8_scalar(uint8_t b) {
   const int32_t d = static_cast<int8_t>(b);
   const uint32_t bits = ((static_cast<uint32_t>(d) << 20) & 0x07F00000u) | (static_cast<uint32_t>(d) & 0x80000000u);
@@ -84,14 +87,19 @@ inline float fp8_scalar(uint8_t b) {
   return f * 0x1p120f;
 }
 
-// A scheme's unit: kK k in kBytes bytes, decoded into kVec vectors matching x's layout
-// (the register form); `scalar` decodes one k of a per-channel scheme (a row's last K %
-// 16); `raw8` decodes 8 consecutive k of a row (k a multiple of 8) in natural order, before
-// scale and zero point (the panel form).
+// A scheme's decoding. `raw8` decodes 8 consecutive k of a row (k a multiple of 8) in
+// natural order to fp32, before scale and zero point (the panel form). The integer
+// register form's units: `int16` widens the kK k at byte p of a row to kVec int16
+// vectors, in x's order (kK = 32: k in order; 64: Int4Pair's), and `scalar` decodes one k
+// (a per-channel row's last K % 32). Fp8's fp32 register
+// form: kK k in kBytes bytes decoded into kVec vectors, `scalar` for its last K % 16.
 struct Int8Unit {
-  static constexpr int64_t kK = 16, kBytes = 16;
+  static constexpr int64_t kK = 32, kBytes = 32;
   static constexpr int kVec = 2;
-  static inline void decode(const uint8_t* p, __m256* w) { w[0] = int8x8(p), w[1] = int8x8(p + 8); }
+  static inline void int16(const uint8_t* p, __m256i w[2]) {
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+  }
   static inline float scalar(uint8_t b) { return static_cast<float>(static_cast<int8_t>(b)); }
   static inline __m256 raw8(const uint8_t* row, int64_t k) { return int8x8(row + k); }
 };
@@ -104,8 +112,12 @@ struct Fp8Unit {
 };
 struct Int4Unit {
   static constexpr int64_t kK = 32, kBytes = 16;
-  static constexpr int kVec = 4;
-  static inline void decode(const uint8_t* p, __m256* w) { int4x32(p, w); }
+  static constexpr int kVec = 2;
+  static inline void int16(const uint8_t* p, __m256i w[2]) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
+    w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(b, nibble));
+    w[1] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(b, 4), nibble));
+  }
   static inline float scalar(uint8_t) { return 0.f; }  // int4 rows have no tail (K % 32 == 0)
   // k's chunk holds k 0-15 in the low nibbles of its 16 bytes and 16-31 in the high ones
   static inline __m256 raw8(const uint8_t* row, int64_t k) {
@@ -114,33 +126,184 @@ struct Int4Unit {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))));
   }
 };
+// int4 two chunks (64 k) at a time, for groups of a multiple of 64: one 32-byte load, and
+// each 128-bit half's low and high nibbles widened in place (vpunpck*bw against zero), so
+// vector j holds k 8j..8j+7 of the first chunk in its lower half and of the second in its
+// upper half, as x is laid out for it (XInt16's `pair` order). Measured in isolation on a
+// Zen 1 core: 14.3 G weights/s against 11.3 one chunk at a time.
+struct Int4Pair {
+  static constexpr int64_t kK = 64, kBytes = 32;
+  static constexpr int kVec = 4;
+  static inline void int16(const uint8_t* p, __m256i w[4]) {
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), nibble = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+    const __m256i zero = _mm256_setzero_si256();
+    w[0] = _mm256_unpacklo_epi8(lo, zero), w[1] = _mm256_unpackhi_epi8(lo, zero);
+    w[2] = _mm256_unpacklo_epi8(hi, zero), w[3] = _mm256_unpackhi_epi8(hi, zero);
+  }
+  static inline float scalar(uint8_t) { return 0.f; }
+};
 
-// What one product needs: x (prepared), the rows, per-group scales (and int4 zeros).
+// What one product needs: x, the rows, per-group scales (and int4 zeros).
 struct Operands {
-  const float* x;      // [M, K] in the unit's order
+  const float* x;      // [M, K]
   const uint8_t* q;    // [N, row_bytes]
   const float* scale;  // [N, groups]
   const float* zero;   // int4: [N, groups], or null for symmetric (8); else null
-  const float* xsum;   // int4: [M, groups] sums of x per group; else null
   int64_t M, K, N, row_bytes, groups, group_k;
   bool int4;
 };
 
-// y[m, n] for rows m0..m0+MR and weight rows n0..n0+R (all in range). Each group's two
-// accumulators are scaled into a running vector (one FMA per group, a horizontal sum
-// only at the end); int4's z * sum(x) per group is subtracted in scalar.
-//
-// The R rows are one contiguous region, and the next tile's follows it: rows of 1-3 KB
-// are short streams for the hardware prefetcher, which re-learns each one (measured: int8
-// rows read at ~10 GB/s against the bf16 panels' single stream at ~20), so each step also
-// prefetches the next tile's bytes at the pace this tile consumes its own.
+// The R rows of a register-form tile are one contiguous region, and the next tile's
+// follows it: rows of 1-3 KB are short streams for the hardware prefetcher, which
+// re-learns each one (measured: int8 rows read at ~10 GB/s against the bf16 panels'
+// single stream at ~20), so each step also prefetches the next tile's bytes at the pace
+// this tile consumes its own. `ahead` and `end` are byte offsets, compared before a
+// pointer is formed (none past the rows' end).
+inline void prefetch_ahead(const Operands& o, int64_t ahead, int64_t end) {
+  if (ahead < end) _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead), _MM_HINT_T0);
+}
+
+// x rounded to int16 for the integer register form: row m's k in [0, kv) (kv: K rounded
+// down to 32) in blocks of `block` k, block b of row m as q[m kv + k] * scale[m blocks + b]
+// with scale a power of two, amax / 32767 <= scale < 2 amax / 32767 (at least 2^-126; 1
+// for a block of zeros, NaN for one holding an inf or NaN, so that it reaches the
+// output); sum: each block's sum of q (int4's zero-point term). `pair`: each 64 k's eight
+// 8-k pieces stored in the order 0 4 1 5 2 6 3 7 (Int4Pair's), blocks a multiple of 64.
+struct XInt16 {
+  std::vector<int16_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> sum;
+  int64_t kv, block, blocks;
+
+  XInt16(const float* x, int64_t M, int64_t K, int64_t block_k, bool pair)
+      : kv(K & ~int64_t(31)), block(block_k), blocks((kv + block_k - 1) / block_k) {
+    q.resize(M * kv);
+    scale.resize(M * blocks);
+    sum.resize(M * blocks);
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k0 = b * block, k1 = std::min(k0 + block, kv);
+        const float* src = x + m * K;
+        // |x| as integers orders as the floats do, inf and NaN above every finite value
+        __m256i top = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k += 8)
+          top = _mm256_max_epi32(top, _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(src + k)), magnitude));
+        __m128i t = _mm_max_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+        t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+        t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+        const uint32_t bits = static_cast<uint32_t>(_mm_cvtsi128_si32(t));
+        float amax;
+        std::memcpy(&amax, &bits, sizeof amax);
+        float s = 1.f;
+        if (bits >= 0x7F800000u) {
+          s = std::numeric_limits<float>::quiet_NaN();
+        } else if (bits != 0) {
+          int e;
+          std::frexp(static_cast<double>(amax) / 32767.0, &e);  // amax / 32767 < 2^e
+          // a normal number, so that 1 / s is finite (blocks below ~1e-33 round coarser)
+          s = std::ldexp(1.f, std::max(e, -126));
+        }
+        scale[m * blocks + b] = s;
+        const __m256 inv = _mm256_set1_ps(bits >= 0x7F800000u ? 0.f : 1.f / s);  // exact: a power of two
+        __m256i total = _mm256_setzero_si256();
+        for (int64_t k = k0; k < k1; k += 16) {
+          // rounded to nearest (MXCSR's mode); packs interleaves the 128-bit halves,
+          // the permute puts k back in order
+          const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k), inv));
+          const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k + 8), inv));
+          total = _mm256_add_epi32(total, _mm256_add_epi32(lo, hi));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + m * kv + k),
+                              _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+        }
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+        sum[m * blocks + b] = _mm_cvtsi128_si32(u);
+      }
+      if (pair) {
+        int16_t* row = q.data() + m * kv;
+        for (int64_t k = 0; k < kv; k += 64) {
+          int16_t natural[64];
+          std::memcpy(natural, row + k, sizeof natural);
+          for (int j = 0; j < 4; ++j) {
+            std::memcpy(row + k + 16 * j, natural + 8 * j, 8 * sizeof(int16_t));
+            std::memcpy(row + k + 16 * j + 8, natural + 32 + 8 * j, 8 * sizeof(int16_t));
+          }
+        }
+      }
+    }
+  }
+};
+
+// The integer register form: y[m, n] for rows m0..m0+MR and weight rows n0..n0+R (all in
+// range). Per block, one int32 accumulator per (x row, weight row) (integer adds have no
+// latency chain to split); at the block's end its 8 lanes are converted and scaled into a
+// running fp32 vector (int8: by x's block scale, the per-channel scale once at the end;
+// int4: by x's and the group's), int4's z * sum(q_x) per group subtracted in scalar, and
+// a per-channel row's last K % 32 k added in fp32 on x as it is.
+template <class U, int MR, int R>
+inline void int16_tile(const Operands& o, const XInt16& xq, int64_t m0, int64_t n0, float* y) {
+  __m256 total[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
+  float tail[MR][R] = {};
+  const int64_t next = (n0 + R) * o.row_bytes, end = o.N * o.row_bytes;
+  const uint8_t* rows = o.q + n0 * o.row_bytes;
+  const int16_t* xrows = xq.q.data() + m0 * xq.kv;
+  for (int64_t b = 0; b < xq.blocks; ++b) {
+    __m256i acc[MR][R];
+    for (int m = 0; m < MR; ++m)
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
+    const int64_t k0 = b * xq.block, k1 = std::min(k0 + xq.block, xq.kv);
+    for (int64_t k = k0; k < k1; k += U::kK) {
+      const int64_t at = k / U::kK * U::kBytes;  // the unit's byte offset in a row
+      for (int64_t line = 0; line < U::kBytes * R; line += 64) prefetch_ahead(o, next + at * R + line, end);
+      for (int r = 0; r < R; ++r) {
+        __m256i w[U::kVec];
+        U::int16(rows + r * o.row_bytes + at, w);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i* xk = reinterpret_cast<const __m256i*>(xrows + m * xq.kv + k);
+          for (int v = 0; v < U::kVec; v += 2)
+            acc[m][r] = _mm256_add_epi32(
+                acc[m][r], _mm256_add_epi32(_mm256_madd_epi16(w[v], _mm256_loadu_si256(xk + v)),
+                                            _mm256_madd_epi16(w[v + 1], _mm256_loadu_si256(xk + v + 1))));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float ws = o.int4 ? o.scale[(n0 + r) * o.groups + b] : 1.f;
+      const float z = o.int4 ? (o.zero ? o.zero[(n0 + r) * o.groups + b] : 8.f) : 0.f;
+      for (int m = 0; m < MR; ++m) {
+        const float s = xq.scale[(m0 + m) * xq.blocks + b] * ws;
+        total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][r]), _mm256_set1_ps(s), total[m][r]);
+        if (o.int4) tail[m][r] -= z * static_cast<float>(xq.sum[(m0 + m) * xq.blocks + b]) * s;
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int r = 0; r < R; ++r) {
+      float t = hsum8(total[m][r]) + tail[m][r];
+      if (!o.int4) {  // int8: the last K % 32 k, then the row's scale
+        const uint8_t* row = o.q + (n0 + r) * o.row_bytes;
+        for (int64_t k = xq.kv; k < o.K; ++k) t += o.x[(m0 + m) * o.K + k] * U::scalar(row[k]);
+        t *= o.scale[n0 + r];
+      }
+      y[(m0 + m) * o.N + n0 + r] = t;
+    }
+  }
+}
+
+// The fp32 register form (fp8): y[m, n] for rows m0..m0+MR and weight rows n0..n0+R (all
+// in range). Each group's two accumulators are scaled into a running vector (one FMA per
+// group, a horizontal sum only at the end).
 template <class U, int MR, int R>
 inline void dot_tile(const Operands& o, int64_t m0, int64_t n0, float* y) {
   __m256 total[MR][R];
   for (int m = 0; m < MR; ++m)
     for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
-  float tail[MR][R] = {};  // per-channel schemes' last K % 16, and int4's zero terms
-  // byte offsets, compared before a pointer is formed (none past the rows' end)
+  float tail[MR][R] = {};  // the rows' last K % 16
   const int64_t next = (n0 + R) * o.row_bytes, end = o.N * o.row_bytes;
   for (int64_t g = 0; g < o.groups; ++g) {
     __m256 a[MR][R], b[MR][R];
@@ -148,8 +311,7 @@ inline void dot_tile(const Operands& o, int64_t m0, int64_t n0, float* y) {
       for (int r = 0; r < R; ++r) a[m][r] = b[m][r] = _mm256_setzero_ps();
     const int64_t k0 = g * o.group_k, k1 = k0 + o.group_k, kv = k0 + (o.group_k & ~(U::kK - 1));
     for (int64_t k = k0; k < kv; k += U::kK) {
-      const int64_t ahead = next + k * U::kBytes / U::kK * R;
-      if (ahead < end) _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead), _MM_HINT_T0);
+      prefetch_ahead(o, next + k * U::kBytes / U::kK * R, end);
       // one weight row's unit at a time: its kVec vectors and the 2 MR R accumulators fit
       // the 16 ymm registers, x comes from L1 as FMA memory operands
       for (int r = 0; r < R; ++r) {
@@ -172,7 +334,6 @@ inline void dot_tile(const Operands& o, int64_t m0, int64_t n0, float* y) {
         total[m][r] = _mm256_fmadd_ps(_mm256_add_ps(a[m][r], b[m][r]), sv, total[m][r]);
         float t = 0.f;
         for (int64_t k = kv; k < k1; ++k) t += o.x[(m0 + m) * o.K + k] * U::scalar(row[k]);
-        if (o.int4) t -= (o.zero ? o.zero[(n0 + r) * o.groups + g] : 8.f) * o.xsum[(m0 + m) * o.groups + g];
         tail[m][r] += t * s;
       }
     }
@@ -181,54 +342,67 @@ inline void dot_tile(const Operands& o, int64_t m0, int64_t n0, float* y) {
     for (int r = 0; r < R; ++r) y[(m0 + m) * o.N + n0 + r] = hsum8(total[m][r]) + tail[m][r];
 }
 
-template <class U, int MR, int R>
-void dot_rows(const Operands& o, int64_t n_begin, int64_t n_end, float* y) {
+// tile(m, n, MR, R) computes the tile at (m, n): MR x rows by R weight rows where both
+// fit, MR x 1 at the weight rows' edge, 1 x R (or 1 x 1) for the rows past the last MR.
+template <int MR, int R, class Tile>
+void tile_rows(int64_t M, int64_t n_begin, int64_t n_end, Tile tile) {
+  using std::integral_constant;
   for (int64_t n = n_begin; n < n_end; n += R) {
     const bool full = n + R <= n_end;
-    for (int64_t m = 0; m < o.M; m += MR) {
-      const bool rows = m + MR <= o.M;
-      if (full && rows) {
-        dot_tile<U, MR, R>(o, m, n, y);
-      } else {  // the edges one (row, weight row) at a time
-        for (int64_t mm = m; mm < std::min(m + MR, o.M); ++mm)
-          for (int64_t nn = n; nn < std::min(n + R, n_end); ++nn) dot_tile<U, 1, 1>(o, mm, nn, y);
+    int64_t m = 0;
+    for (; m + MR <= M; m += MR) {
+      if (full) {
+        tile(m, n, integral_constant<int, MR>{}, integral_constant<int, R>{});
+      } else {
+        for (int64_t nn = n; nn < n_end; ++nn) tile(m, nn, integral_constant<int, MR>{}, integral_constant<int, 1>{});
+      }
+    }
+    for (; m < M; ++m) {
+      if (full) {
+        tile(m, n, integral_constant<int, 1>{}, integral_constant<int, R>{});
+      } else {
+        for (int64_t nn = n; nn < n_end; ++nn) tile(m, nn, integral_constant<int, 1>{}, integral_constant<int, 1>{});
       }
     }
   }
 }
 
-// One row a call: 4 weight rows per tile; more rows: 2 x rows by 2 weight rows (16 ymm
-// registers hold the MR x R x 2 accumulators and the decoded vectors).
-template <class U>
-void dot_product(const Operands& o, float* y) {
-  constexpr int64_t BLOCK = 16;  // weight rows per task
+// A register form over all rows: one row a call, 1 x 4 tiles; fewer rows than MR, 2 x 2;
+// else MR x R tiles (the 16 ymm registers hold the accumulators and the decoded vectors). Threads take 16
+// weight rows at a time.
+template <int MR, int R, class Tile>
+void register_product(const Operands& o, Tile tile) {
+  constexpr int64_t BLOCK = 16;
   const int64_t blocks = (o.N + BLOCK - 1) / BLOCK;
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     KeepSubnormals keep;
     const int64_t n0 = begin * BLOCK, n1 = std::min(end * BLOCK, o.N);
     if (o.M == 1) {
-      dot_rows<U, 1, 4>(o, n0, n1, y);
+      tile_rows<1, 4>(o.M, n0, n1, tile);
+    } else if (o.M < MR) {
+      tile_rows<2, 2>(o.M, n0, n1, tile);
     } else {
-      dot_rows<U, 2, 2>(o, n0, n1, y);
+      tile_rows<MR, R>(o.M, n0, n1, tile);
     }
   });
 }
 
-// x [M, K] -> xp, each 32-k chunk transposed 4 x 8 (xp[32c + 8j + i] = x[32c + 4i + j]),
-// and xsum [M, K / G], each group's sum of x.
-void prepare_int4_x(const float* x, int64_t M, int64_t K, int64_t G, float* xp, float* xsum) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* src = x + m * K;
-    float* dst = xp + m * K;
-    for (int64_t c = 0; c < K; c += 32)
-      for (int j = 0; j < 4; ++j)
-        for (int i = 0; i < 8; ++i) dst[c + 8 * j + i] = src[c + 4 * i + j];
-    for (int64_t g = 0; g < K / G; ++g) {
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(src + k));
-      xsum[m * (K / G) + g] = hsum8(acc);
-    }
-  }
+template <class U>
+void dot_product(const Operands& o, float* y) {
+  register_product<2, 2>(o, [&](int64_t m, int64_t n, auto mr, auto r) { dot_tile<U, decltype(mr)::value, decltype(r)::value>(o, m, n, y); });
+}
+
+// int8's blocks of x (int4's are its groups): 128 k, 8 vpmaddwd sums in each int32 lane
+constexpr int64_t INT8_X_BLOCK = 128;
+#ifndef MULTI_MR
+#define MULTI_MR 4
+#define MULTI_R 1
+#endif
+
+template <class U>
+void int16_product(const Operands& o, float* y) {
+  const XInt16 xq(o.x, o.M, o.K, o.int4 ? o.group_k : INT8_X_BLOCK, U::kK == 64);
+  register_product<MULTI_MR, MULTI_R>(o, [&](int64_t m, int64_t n, auto mr, auto r) { int16_tile<U, decltype(mr)::value, decltype(r)::value>(o, xq, m, n, y); });
 }
 
 // v[r][i] -> v[i][r] for an 8 x 8 block of fp32.
@@ -355,7 +529,6 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
              reinterpret_cast<const uint8_t*>(weight.data_ptr()),
              scale.data_ptr<float>(),
              has_zero ? zero->data_ptr<float>() : nullptr,
-             nullptr,
              M, K, N, weight.size(1), groups, G, int4};
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
@@ -370,16 +543,14 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
       panel_product<Int8Unit>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
     }
     if (ldy != N) y.copy_(ypad.narrow(1, 0, N));
+  } else if (int4 && G % 64 == 0) {
+    int16_product<Int4Pair>(o, y.data_ptr<float>());
   } else if (int4) {
-    std::vector<float> xp(M * K), xsum(M * groups);
-    prepare_int4_x(x.data_ptr<float>(), M, K, G, xp.data(), xsum.data());
-    o.x = xp.data();
-    o.xsum = xsum.data();
-    dot_product<Int4Unit>(o, y.data_ptr<float>());
+    int16_product<Int4Unit>(o, y.data_ptr<float>());
   } else if (kind == KIND_FP8) {
     dot_product<Fp8Unit>(o, y.data_ptr<float>());
   } else {
-    dot_product<Int8Unit>(o, y.data_ptr<float>());
+    int16_product<Int8Unit>(o, y.data_ptr<float>());
   }
   if (b.defined()) y.add_(b);
   return y;
