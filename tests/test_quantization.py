@@ -18,7 +18,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.isa import cpu_flags
 from minivllm.quantization import formats
-from tests.conftest import assert_logprobs_match
+from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match
 
 PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(9 + 5 * i)] for i in range(3)]
 # hidden 64 and intermediate 128 in the tiny configs: int4 groups of 32 fit every input size
@@ -86,11 +86,7 @@ def _check_against_oracle(model_dir, llm: LLM) -> int:
                 if spec.scheme == "int8_w8a8":
                     w8a8.add(hf_name)
     hf = _fake_quantized_hf(model_dir, chosen, w8a8)
-    # 5e-4, not conftest's 1e-4: up to 8 rows the fp32 engine's int8 and int4 linears round
-    # each block of activations to int16 (kernels/avx2_quant.cpp, the integer form: each
-    # value moves by at most 2^-15 of its block's largest), which moved these logprobs by
-    # up to 1.1e-4 (int4, groups of 32) where the fp32 forms stay within 2e-6
-    assert_logprobs_match(hf, PROMPTS, _run(llm), tol=5e-4)
+    assert_logprobs_match(hf, PROMPTS, _run(llm), tol=QUANTIZED_FP32_TOL)
     return len(chosen)
 
 

@@ -210,7 +210,9 @@ def test_kernels_are_chosen_by_device_dtype_and_isa():
     if {"avx2", "fma"} <= cpu_flags():
         assert fp32.name == "cpu-avx2"
         assert fp32.op("linear_bf16w") is not None and fp32.op("rms_norm") is not None
-        assert fp32.op("rotary_inplace") is None  # a bf16-family op only
+        assert fp32.op("argmax_bf16") is None  # a bf16-family op only
+        assert fp32.op("llama_decode_layers") is None  # the bf16 step's signature
+        assert fp32.op("avx2_decode_layers") is not None
     else:
         assert fp32 is TORCH
     assert select_kernels("cpu", torch.float16) is TORCH

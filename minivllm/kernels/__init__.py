@@ -40,7 +40,13 @@ def get_avx2_kernels() -> ModuleType | None:
     return _build_family(
         "minivllm_cpu_kernels_avx2",
         "avx2",
-        ("avx2_linear.cpp", "avx2_quant.cpp", "avx2_attention.cpp", "avx2_ops.cpp"),
+        (
+            "avx2_linear.cpp",
+            "avx2_quant.cpp",
+            "avx2_attention.cpp",
+            "avx2_ops.cpp",
+            "avx2_decode.cpp",
+        ),
         _AVX2_FLAGS,
     )
 

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <vector>
 
+#include "avx2_api.h"
 #include "avx2_math.h"
 #include "paged_decode.h"
 
@@ -124,20 +125,6 @@ torch::Tensor avx2_paged_attention_decode(torch::Tensor q, torch::Tensor k_cache
   return out;
 }
 
-torch::Tensor avx2_linear_bf16w(torch::Tensor x, torch::Tensor panels, int64_t n,
-                                c10::optional<torch::Tensor> bias);
-
-torch::Tensor avx2_linear_int8w(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
-                                c10::optional<torch::Tensor> bias);
-
-torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
-                                 c10::optional<torch::Tensor> zero, int64_t group_size,
-                                 c10::optional<torch::Tensor> bias);
-
-torch::Tensor avx2_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor avx2_fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-torch::Tensor avx2_silu_and_mul(torch::Tensor x);
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear_bf16w", &avx2_linear_bf16w, "fp32 x @ W^T + b over bf16 weight panels (AVX2)", nogil);
@@ -148,4 +135,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &avx2_fused_add_rms_norm, "residual += x; RMSNorm(residual), fp32", nogil);
   m.def("silu_and_mul", &avx2_silu_and_mul, "silu(gate) * up, fp32", nogil);
   m.def("paged_attention_decode", &avx2_paged_attention_decode, "fp32 paged decode attention (AVX2)", nogil);
+  m.def("rotary_inplace", &avx2_rotary_inplace, "neox rotary in place, fp32", nogil);
+  m.def("write_kv_cache", &avx2_write_kv_cache, "k, v into a paged fp32 cache", nogil);
+  m.def("decode_layers", &avx2_decode_layers, "every decoder layer of a decode step, fp32 (AVX2)", nogil);
 }

@@ -103,15 +103,21 @@ register_family(
     ("avx2", "fma"),
     _load_avx2,
     {
-        op: op
-        for op in (
-            "linear_bf16w",
-            "linear_quantw",
-            "paged_attention_decode",
-            "rms_norm",
-            "fused_add_rms_norm",
-            "silu_and_mul",
-        )
+        **{
+            op: op
+            for op in (
+                "linear_bf16w",
+                "linear_quantw",
+                "paged_attention_decode",
+                "rms_norm",
+                "fused_add_rms_norm",
+                "silu_and_mul",
+                "rotary_inplace",
+                "write_kv_cache",
+            )
+        },
+        # its own signature (layers/fused_decode.py's Avx2FusedDecode), not the bf16 step's
+        "avx2_decode_layers": "decode_layers",
     },
 )
 

@@ -90,8 +90,12 @@ class DescribesDecoderStack(Protocol):
     def decoder_stack_parts(self) -> DecoderStackParts: ...
 
 
-def why_not_fused(parts: DecoderStackParts, backend: AttentionBackend) -> str | None:
-    """None if every part is on the kernel path, else the first reason it is not."""
+def why_not_fused(
+    parts: DecoderStackParts, backend: AttentionBackend, fp32: bool = False
+) -> str | None:
+    """None if every part is on the kernel path, else the first reason it is not.
+    `fp32`: for the AVX2 family's step (Avx2FusedDecode), whose linears are bf16 panels or
+    linear_quantw's schemes."""
     rotary = parts.layers[0].rotary
     if type(rotary) is not RotaryEmbedding or not rotary.uses_kernels:
         return "the rotary embedding is not the neox kernel's"
@@ -104,7 +108,7 @@ def why_not_fused(parts: DecoderStackParts, backend: AttentionBackend) -> str | 
         if not backend.supports_decode(layer.attn.head_dim):
             return f"head size {layer.attn.head_dim} is not one the decode kernel takes"
         for linear in layer.linears:
-            reason = _why_not_kernel_linear(linear)
+            reason = _why_not_fp32_linear(linear) if fp32 else _why_not_kernel_linear(linear)
             if reason is not None:
                 return reason
         if any(not norm.uses_kernels for norm in layer.norms):
@@ -132,6 +136,27 @@ def _why_not_kernel_linear(linear: LinearBase) -> str | None:
     return None
 
 
+# linear_quantw's kinds (kernels/avx2_quant.cpp); int8_w8a8 in an fp32 engine quantizes
+# its activations in Python first (QuantizedLinearMethod._apply_fp32), so it has no step
+_FP32_KINDS = {"int8_w8a16": 1, "int4_w4a16": 2, "fp8_w8a16": 3}
+
+
+def _why_not_fp32_linear(linear: LinearBase) -> str | None:
+    if linear.tp_size != 1:
+        return "tensor parallelism splits the layers"
+    method = linear.quant_method
+    if type(method) is UnquantizedLinearMethod:
+        if method.panel_kernel is None and linear.weight.dtype != torch.float32:
+            return f"a linear layer's weight is {linear.weight.dtype}"
+        return None  # bf16 panels, or an fp32 weight (not bf16 values) on at::linear
+    weights = getattr(method, "quant_weights", None)
+    if not isinstance(weights, QuantWeights) or getattr(method, "fp32_op", None) is None:
+        return f"a linear layer's {type(method).__name__} does not run on the AVX2 kernels"
+    if weights.scheme not in _FP32_KINDS:
+        return f"{weights.scheme} has no fused fp32 step"
+    return None
+
+
 def _quant_weights(linear: LinearBase) -> QuantWeights | None:
     """The kernel-format weights of a quantized linear whose method runs the kernels."""
     method = linear.quant_method
@@ -141,7 +166,11 @@ def _quant_weights(linear: LinearBase) -> QuantWeights | None:
     return None
 
 
-class FusedLlamaDecode:
+class _DecodeStep:
+    """What both families' one-call steps take: the layers' norms and weights (12 per layer,
+    decode_layers.cpp's Slot order), caches and rotary; each family adds its linears'
+    description (`_linear_args`, passed after the weights)."""
+
     def __init__(self, parts: DecoderStackParts, op: Callable[..., torch.Tensor]) -> None:
         attn0 = parts.layers[0].attn
         self.op = op
@@ -153,8 +182,61 @@ class FusedLlamaDecode:
         self.eps = parts.final_norm.eps
         self.attention = [layer.attn for layer in parts.layers]
         self.windows = [a.sliding_window or 0 for a in self.attention]
-        none = torch.empty(0, dtype=torch.bfloat16)
         self.weights: list[torch.Tensor] = []
+
+    @staticmethod
+    def _layer_weights(
+        layer: LlamaBlockParts, weight: Callable[[LinearBase], torch.Tensor], none: torch.Tensor
+    ) -> list[torch.Tensor]:
+        return [
+            layer.input_norm.weight,
+            weight(layer.qkv_proj),
+            _or(layer.qkv_proj.bias, none),
+            none if layer.q_norm is None else layer.q_norm.weight,
+            none if layer.k_norm is None else layer.k_norm.weight,
+            weight(layer.o_proj),
+            _or(layer.o_proj.bias, none),
+            layer.post_norm.weight,
+            weight(layer.gate_up_proj),
+            _or(layer.gate_up_proj.bias, none),
+            weight(layer.down_proj),
+            _or(layer.down_proj.bias, none),
+        ]
+
+    def _linear_args(self) -> tuple:
+        raise NotImplementedError
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
+    ) -> torch.Tensor:
+        """The final-normed hidden states of a step whose every request decodes; one row a token."""
+        return self.op(
+            self.embed(input_ids),
+            self.weights,
+            *self._linear_args(),
+            [a.kv_cache for a in self.attention],
+            self.windows,
+            self.final_norm,
+            positions,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            self.rotary.cos_cache,
+            self.rotary.sin_cache,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.eps,
+            self.scale,
+        )
+
+
+class FusedLlamaDecode(_DecodeStep):
+    """The bf16 family's step (`kernels/decode_layers.cpp`)."""
+
+    def __init__(self, parts: DecoderStackParts, op: Callable[..., torch.Tensor]) -> None:
+        super().__init__(parts, op)
+        none = torch.empty(0, dtype=torch.bfloat16)
         # per linear: bf16's oneDNN-prepacked copy (or empty), for batches over
         # MAX_KERNEL_ROWS_PACKED rows; the quantization kind (0: bf16) and its tensors
         self.packed: list[torch.Tensor] = []
@@ -170,20 +252,16 @@ class FusedLlamaDecode:
         for layer in parts.layers:
             for linear in layer.linears:
                 self._add_linear(linear, none)
-            self.weights += [
-                layer.input_norm.weight,
-                _weight(layer.qkv_proj),
-                _or(layer.qkv_proj.bias, none),
-                none if layer.q_norm is None else layer.q_norm.weight,
-                none if layer.k_norm is None else layer.k_norm.weight,
-                _weight(layer.o_proj),
-                _or(layer.o_proj.bias, none),
-                layer.post_norm.weight,
-                _weight(layer.gate_up_proj),
-                _or(layer.gate_up_proj.bias, none),
-                _weight(layer.down_proj),
-                _or(layer.down_proj.bias, none),
-            ]
+            self.weights += self._layer_weights(layer, _weight, none)
+
+    def _linear_args(self) -> tuple:
+        return (
+            self.packed,
+            MAX_KERNEL_ROWS_PACKED,
+            self.quant_kinds,
+            self.quant,
+            self.max_quant_rows,
+        )
 
     def _add_linear(self, linear: LinearBase, none: torch.Tensor) -> None:
         weights = _quant_weights(linear)
@@ -206,51 +284,60 @@ class FusedLlamaDecode:
     @classmethod
     def build(
         cls, model: nn.Module, kernels: Kernels, backend: AttentionBackend
-    ) -> tuple[FusedLlamaDecode | None, str]:
-        """The fused path for `model` and "on", or None and the reason it is off."""
+    ) -> tuple[FusedLlamaDecode | Avx2FusedDecode | None, str]:
+        """The fused path for `model` and "on", or None and the reason it is off: the bf16
+        family's step, or the AVX2 family's (fp32 engines)."""
         op = kernels.op("llama_decode_layers")
-        if op is None:
+        fp32_op = kernels.op("avx2_decode_layers")
+        if op is None and fp32_op is None:
             return None, f"the {kernels.name} kernels have no fused decode step"
         if not isinstance(model, DescribesDecoderStack):
             return None, f"{type(model).__name__} does not describe its decoder layers"
         parts = model.decoder_stack_parts()
-        reason = why_not_fused(parts, backend)
+        reason = why_not_fused(parts, backend, fp32=op is None)
         if reason is not None:
             return None, reason
-        return cls(parts, op), "on"
+        return (cls(parts, op) if op is not None else Avx2FusedDecode(parts, fp32_op)), "on"
 
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
-    ) -> torch.Tensor:
-        """The final-normed hidden states of a step whose every request decodes; one row a token."""
-        return self.op(
-            self.embed(input_ids),
-            self.weights,
-            self.packed,
-            MAX_KERNEL_ROWS_PACKED,
-            self.quant_kinds,
-            self.quant,
-            self.max_quant_rows,
-            [a.kv_cache for a in self.attention],
-            self.windows,
-            self.final_norm,
-            positions,
-            meta.slot_mapping,
-            meta.decode_block_tables,
-            meta.decode_seq_lens,
-            self.rotary.cos_cache,
-            self.rotary.sin_cache,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.eps,
-            self.scale,
-        )
+
+class Avx2FusedDecode(_DecodeStep):
+    """The fp32 engine's decode step on the AVX2 family (`kernels/avx2_decode.cpp`): the
+    same layers, each linear bf16 panels, an fp32 weight, or a linear_quantw scheme."""
+
+    def __init__(self, parts: DecoderStackParts, op: Callable[..., torch.Tensor]) -> None:
+        super().__init__(parts, op)
+        none = torch.empty(0)
+        # per linear: kind (0: bf16 panels, -1: an fp32 weight, else linear_quantw's),
+        # output size, group size; and its scale and zero
+        self.linears: list[int] = []
+        self.quant: list[torch.Tensor] = []
+        for layer in parts.layers:
+            for linear in layer.linears:
+                weights = getattr(linear.quant_method, "quant_weights", None)
+                if isinstance(weights, QuantWeights):
+                    kind = _FP32_KINDS[weights.scheme]
+                    self.linears += [kind, weights.out_features, weights.group_size]
+                    self.quant += [weights.scale, _or(weights.zero, none)]
+                elif linear.quant_method.panel_kernel is not None:
+                    self.linears += [0, linear.quant_method.panel_kernel.n, 0]
+                    self.quant += [none, none]
+                else:
+                    self.linears += [-1, linear.weight.shape[0], 0]
+                    self.quant += [none, none]
+            self.weights += self._layer_weights(layer, _fp32_weight, none)
+
+    def _linear_args(self) -> tuple:
+        return (self.linears, self.quant)
 
 
 def _weight(linear: LinearBase) -> torch.Tensor:
     weights = _quant_weights(linear)
     return linear.weight if weights is None else weights.weight
+
+
+def _fp32_weight(linear: LinearBase) -> torch.Tensor:
+    weights = getattr(linear.quant_method, "quant_weights", None)
+    return weights.weight if isinstance(weights, QuantWeights) else linear.weight
 
 
 def _or(tensor: torch.Tensor | None, default: torch.Tensor) -> torch.Tensor:

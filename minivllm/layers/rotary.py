@@ -134,10 +134,14 @@ class RotaryEmbedding(CustomOp):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
-        self.rotary_op: Callable[..., None] | None = None  # compiled bf16 op, in place
+        # the compiled op, in place, and the dtype it takes (bf16 for the AVX512-BF16
+        # family, float32 for the AVX2 one)
+        self.rotary_op: Callable[..., None] | None = None
+        self.kernel_dtype: torch.dtype | None = None
 
     def select_kernels(self, kernels: Kernels) -> None:
         self.rotary_op = kernels.op("rotary_inplace")
+        self.kernel_dtype = kernels.key.dtype if kernels.key is not None else None
 
     @property
     def uses_kernels(self) -> bool:
@@ -147,7 +151,7 @@ class RotaryEmbedding(CustomOp):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, num_heads, head_dim], k: [T, num_kv_heads, head_dim]."""
-        if self.rotary_op is not None and q.dtype == torch.bfloat16:
+        if self.rotary_op is not None and q.dtype == self.kernel_dtype:
             for x in (q, k):  # in place; heads of a row are contiguous
                 self.rotary_op(x, positions, self.cos_cache, self.sin_cache)
             return q, k

@@ -18,7 +18,7 @@ from minivllm.layers.attention import AttentionLayerBase, FullAttentionSpec, KVC
 from minivllm.layers.attention.backend import build_common_metadata
 from minivllm.layers.attention.registry import select_attention_backend
 from minivllm.layers.forward_context import ForwardContext, forward_context
-from minivllm.layers.fused_decode import FusedLlamaDecode
+from minivllm.layers.fused_decode import Avx2FusedDecode, FusedLlamaDecode
 from minivllm.layers.sampler import Sampler
 from minivllm.loader.model_loader import get_model
 from minivllm.spec_decode.draft_model import DraftModelProposer
@@ -80,8 +80,9 @@ class ModelRunner:
         self.attn_backend = select_attention_backend(
             config.attention_backend, self.kernels, config.decode_query_len, self._spec_type()
         )
-        # Steps where every request decodes may run all layers in one kernel call (CPU bf16).
-        self.fused_decode: FusedLlamaDecode | None = None
+        # Steps where every request decodes may run all layers in one kernel call (CPU bf16,
+        # or the AVX2 family in fp32 engines).
+        self.fused_decode: FusedLlamaDecode | Avx2FusedDecode | None = None
         fused = "off: enforce_eager"
         if not config.enforce_eager:
             self.fused_decode, fused = FusedLlamaDecode.build(

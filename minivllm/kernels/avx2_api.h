@@ -1,0 +1,33 @@
+// The AVX2 family's ops across its files (avx2_*.cpp): what one file calls of another's,
+// and what avx2_attention.cpp binds into the module.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+torch::Tensor avx2_paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                          torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                          int64_t window);
+torch::Tensor avx2_linear_bf16w(torch::Tensor x, torch::Tensor panels, int64_t n,
+                                c10::optional<torch::Tensor> bias);
+
+torch::Tensor avx2_linear_int8w(torch::Tensor x, torch::Tensor q, torch::Tensor scale,
+                                c10::optional<torch::Tensor> bias);
+
+torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
+                                 c10::optional<torch::Tensor> zero, int64_t group_size,
+                                 c10::optional<torch::Tensor> bias);
+
+torch::Tensor avx2_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor avx2_fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+torch::Tensor avx2_silu_and_mul(torch::Tensor x);
+void avx2_rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin);
+void avx2_write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
+torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
+                                 std::vector<int64_t> linears, std::vector<torch::Tensor> quant,
+                                 std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
+                                 torch::Tensor final_norm, torch::Tensor positions, torch::Tensor slot_mapping,
+                                 torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
+                                 torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                 double eps, double scale);
