@@ -59,16 +59,22 @@ void rotate(float* x, int64_t row_stride, int64_t T, int64_t H, int64_t D, const
   }
 }
 
-void check_rotary(const torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& cos,
-                  const torch::Tensor& sin) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
-              "x: float32 [T, heads, D] with each row's heads contiguous");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+// Every one of n indices in [0, bound): `what` names them in the error.
+void check_indices(const int64_t* index, int64_t n, int64_t bound, const char* what) {
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(index[i] >= 0 && index[i] < bound, what, " out of range");
+}
+
+// positions [T] and the cos/sin tables for heads of D values; returns the positions.
+const int64_t* check_rotary(const torch::Tensor& positions, const torch::Tensor& cos, const torch::Tensor& sin,
+                            int64_t T, int64_t D) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T,
               "positions: int64 [T]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2,
               "cos, sin: float32 [max_positions, R]");
-  TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= x.size(2), "rotary size: even, at most the head size");
+  TORCH_CHECK(cos.size(1) % 2 == 0 && cos.size(1) <= D, "rotary size: even, at most the head size");
+  check_indices(positions.data_ptr<int64_t>(), T, cos.size(0), "position");
+  return positions.data_ptr<int64_t>();
 }
 
 // One linear of a layer: kind 0 panels (weight [N/16, K, 16] bf16), -1 a dense fp32 [N, K],
@@ -94,10 +100,9 @@ enum Slot { IN_NORM, QKV_W, QKV_B, Q_NORM, K_NORM, O_W, O_B, POST_NORM, GATE_UP_
 
 // The per-layer path's rotary: q or k [T, heads, D] in place.
 void avx2_rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
-  check_rotary(x, positions, cos, sin);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  const int64_t rows = cos.size(0);
-  for (int64_t t = 0; t < positions.numel(); ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < rows, "position out of range");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "x: float32 [T, heads, D] with each row's heads contiguous");
+  const int64_t* pos = check_rotary(positions, cos, sin, x.size(0), x.size(2));
   rotate(x.data_ptr<float>(), x.stride(0), x.size(0), x.size(1), x.size(2), pos, cos.data_ptr<float>(),
          sin.data_ptr<float>(), cos.size(1));
 }
@@ -116,8 +121,7 @@ void avx2_write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor 
   }
   TORCH_CHECK(slot_mapping.numel() == T, "one slot per token");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t num_slots = kv_cache.size(2) * kv_cache.size(3);
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of range");
+  check_indices(slots, T, kv_cache.size(2) * kv_cache.size(3), "slot");
   write_cache(kv_cache, 0, k.data_ptr<float>(), k.stride(0), slots, T, Hkv, D);
   write_cache(kv_cache, 1, v.data_ptr<float>(), v.stride(0), slots, T, Hkv, D);
 }
@@ -147,11 +151,8 @@ torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor
     TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.dim() == 5 &&
                     cache.size(1) == num_kv_heads && cache.size(4) == D,
                 "kv caches: contiguous float32 [2, Hkv, NB, BS, D]");
-  const int64_t num_slots = kv_caches.empty() ? 0 : kv_caches[0].size(2) * kv_caches[0].size(3);
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(slots[b] >= 0 && slots[b] < num_slots, "slot out of range");
-  check_rotary(hidden.new_empty({B, num_heads, D}), positions, cos, sin);
-  const int64_t* pos = positions.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(pos[b] >= 0 && pos[b] < cos.size(0), "position out of range");
+  check_indices(slots, B, kv_caches.empty() ? 0 : kv_caches[0].size(2) * kv_caches[0].size(3), "slot");
+  const int64_t* pos = check_rotary(positions, cos, sin, B, D);
   torch::Tensor h, residual;
   for (int64_t l = 0; l < L; ++l) {
     const torch::Tensor* w = weights.data() + l * NUM_SLOTS;
