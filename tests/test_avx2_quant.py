@@ -49,6 +49,7 @@ SCHEMES = [
     ("int8_w8a16", 0, True),
     ("fp8_w8a16", 0, True),
     ("int4_w4a16", 128, True),
+    ("int4_w4a16", 64, False),
     ("int4_w4a16", 32, False),
 ]
 
@@ -144,6 +145,28 @@ def test_fp8_decoding_ignores_flush_to_zero(avx2, m):
         torch.set_flush_denormal(False)
     assert torch.allclose(y.double(), ref, rtol=1e-6, atol=0)
     assert float(still_flushing) == 0.0  # the caller's MXCSR restored
+
+
+@needs_avx2
+@pytest.mark.parametrize("group", [2048, 4096])
+@pytest.mark.parametrize("weight,symmetric", [(1.0, True), (1.0, False), (-1.0, False)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.parametrize("m", [1, 3])
+def test_int4_integer_sums_hold_the_largest_groups(avx2, group, weight, symmetric, sign, m):
+    """The integer form's int32 sums at their largest: one group of 2048 k (the largest the
+    16-bit-word unit takes: its sixteen-times sums reach 2.0e9) and of 4096 (past it:
+    Int4Pair), every q at 15 or 0 and every x rounded to +-32766 (15.999 = 32766 2^-11),
+    so the products' sums and z sum_k q_x are as large as they get: symmetric q = 15
+    (z = 8), asymmetric q = 15 with z = 0 and q = 0 with z = 15. Overflow would wrap an
+    int32 and miss the float64 result by ~2^32 quanta."""
+    qw = formats.quantize(torch.full((4, group), weight), "int4_w4a16", group, symmetric)
+    q = formats.unpack_int4(qw.weight)
+    zero = 8.0 if qw.zero is None else float(qw.zero[0, 0])
+    assert bool((q == q[0, 0]).all()) and (int(q[0, 0]), zero) in ((15, 8.0), (15, 0.0), (0, 15.0))
+    x = torch.full((m, group), sign * 15.999)
+    y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, None)
+    ref = x.double() @ formats.dequantize(qw).double().T
+    assert ((y.double() - ref).abs() <= _bound(x, qw, ref, torch.zeros(4))).all()
 
 
 @needs_avx2
