@@ -1,6 +1,8 @@
 """Per-call time of the AVX2 family's small fp32 ops against the plain-PyTorch paths they
 replace (RMSNorm, RMSNorm with the residual add, a per-head RMSNorm, SiLU-and-mul), at the
-0.6B shape's sizes, 1 and 32 rows.
+0.6B shape's sizes, 1 and 32 rows; and one layer's paged decode attention (16 query heads,
+8 KV heads of 128, one request) at contexts 192, 1024 and 4096 against the plain-PyTorch
+backend, the caches cycled through so they stream from memory.
 
     python benchmarks/avx2_ops.py            # on any AVX2 CPU
 """
@@ -34,6 +36,8 @@ def main() -> None:
     print(f"{cpu_model()} [{isa_summary()}], 2 threads; microseconds per call")
     for rows in (1, 32):
         measure(ops, rows)
+    for context in (192, 1024, 4096):
+        attention(ops, context)
 
 
 def measure(ops, rows: int) -> None:
@@ -55,6 +59,41 @@ def measure(ops, rows: int) -> None:
     for name, (plain, kernel) in cases.items():
         a, b = per_call_us(plain), per_call_us(kernel)
         print(f"{rows:>3} rows {name:>18}: plain {a:7.1f}  avx2 {b:7.1f}  ({a / b:.1f}x)")
+
+
+def attention(ops, context: int, heads: int = 16, kv_heads: int = 8, dim: int = 128) -> None:
+    from types import SimpleNamespace
+
+    from minivllm.layers.attention.torch_backend import TorchAttentionBackend
+
+    block, copies = 16, max(2, 96 // (context // 128))  # ~100 MB of caches or more
+    blocks = context // block
+    caches = [torch.randn(2, kv_heads, blocks, block, dim) for _ in range(copies)]
+    q = torch.randn(1, heads, dim)
+    tables, lens = torch.arange(blocks).view(1, blocks), torch.tensor([context])
+    layer = SimpleNamespace(
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, scale=dim**-0.5, sliding_window=None
+    )
+    meta = SimpleNamespace(
+        decode_token_indices=torch.arange(1), decode_block_tables=tables, decode_seq_lens=lens
+    )
+    backend, out = TorchAttentionBackend(1), torch.empty(1, heads, dim)
+    turn = iter(range(10**9))
+
+    def plain():
+        backend.decode(layer, q, caches[next(turn) % copies], meta, out)
+
+    def kernel():
+        c = caches[next(turn) % copies]
+        ops.paged_attention_decode(q, c[0], c[1], tables, lens, layer.scale, 0)
+
+    reps = max(20, 4000 // (context // 64))
+    a, b = per_call_us(plain, reps), per_call_us(kernel, reps)
+    rate = 2 * kv_heads * context * dim * 4 / b / 1e3  # GB/s of the K and V read
+    print(
+        f"decode attention, context {context:>4}: plain {a:7.1f}  avx2 {b:7.1f} us "
+        f"({a / b:.1f}x; {rate:.1f} GB/s of KV)"
+    )
 
 
 if __name__ == "__main__":
