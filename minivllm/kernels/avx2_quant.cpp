@@ -149,7 +149,8 @@ struct Int4Pair {
 // (>> 4) & 0xF0): five operations for the four vectors where Int4Pair spends seven, and
 // no byte shuffles (on Zen 1 one 0.6B layer at one row: 0.88 ms against Int4Pair's 0.94,
 // 2026-12-03). kSixteens: the
-// middle two vectors' sums go to a second accumulator that is scaled by 1/16 (exact).
+// middle two vectors' sums go to a second accumulator; 16 times the first plus the second,
+// scaled by 1/16 (exact), is the sum.
 // x is laid out for it in XInt16's `words` order.
 struct Int4Words {
   static constexpr int64_t kK = 64, kBytes = 32;
@@ -285,8 +286,9 @@ struct XInt16 {
 // int4's z * sum(q_x) per group subtracted in scalar, and a per-channel row's last K % 32
 // k added in fp32 on x as it is. The int32 sums, |q_x| <= 32767: int8 adds 128 / 8 = 16
 // products of at most 127 * 32767 per lane and block; int4 G / 8 of at most 15 * 32767
-// (Int4Words: at most 240 * 32767 in the second accumulator, 2048 / 8 of them at
-// WORDS_MAX_GROUP: 2.0e9 < 2^31). (Subtracting the zero-point term in the int32 lanes
+// (Int4Words: 16 times the first accumulator plus the second, which holds products of
+// at most 240 * 32767, is converted at once: at WORDS_MAX_GROUP 16 * 0.063e9 + 1.006e9 =
+// 2.01e9 < 2^31). (Subtracting the zero-point term in the int32 lanes
 // instead, exact there for these groups, measured 5-15% slower on Zen 1.)
 template <class U, int MR, int R>
 inline void int16_tile(const Operands& o, const XInt16& xq, int64_t m0, int64_t n0, float* y) {
@@ -336,9 +338,12 @@ inline void int16_tile(const Operands& o, const XInt16& xq, int64_t m0, int64_t 
         const float z = o.zero ? o.zero[(n0 + r) * o.groups + b] : 8.f;
         for (int m = 0; m < MR; ++m) {
           const float s = xq.scale[(m0 + m) * xq.blocks + b] * ws;
-          total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][r]), _mm256_set1_ps(s), total[m][r]);
-          if constexpr (sixteens)
-            total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc16[m][r]), _mm256_set1_ps(s * 0.0625f), total[m][r]);
+          if constexpr (sixteens) {  // 16 acc + acc16 = 16 times the sum, in int32 (see above)
+            const __m256i sum16 = _mm256_add_epi32(_mm256_slli_epi32(acc[m][r], 4), acc16[m][r]);
+            total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum16), _mm256_set1_ps(s * 0.0625f), total[m][r]);
+          } else {
+            total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][r]), _mm256_set1_ps(s), total[m][r]);
+          }
           tail[m][r] -= z * static_cast<float>(xq.sum[(m0 + m) * xq.blocks + b]) * s;
         }
       }
