@@ -198,7 +198,7 @@ inline void prefetch_ahead(const Operands& o, int64_t ahead, int64_t end) {
 // down to 32) in blocks of `block` k, block b of row m as q[m kv + k] * scale[m blocks + b]
 // with scale a power of two, amax / 32767 <= scale < 2 amax / 32767 (at least 2^-126; 1
 // for a block of zeros, NaN for one holding an inf or NaN, so that it reaches the
-// output); sum: each block's sum of q (int4's zero-point term). Order within each 64 k
+// output); sum: each block's sum of q, zterm: that times the block's scale (int4's zero-point term). Order within each 64 k
 // (blocks a multiple of 64), as the unit reads its weights: `pair`, the eight 8-k pieces
 // as 0 4 1 5 2 6 3 7 (Int4Pair's); `words`, four vectors of 16 whose lane i < 8 holds k
 // 2i, 16 + 2i, 2i + 1, 17 + 2i and lane 8 + i the same plus 32 (Int4Words' nibbles).
@@ -207,6 +207,7 @@ struct XInt16 {
   std::vector<int16_t> q;
   std::vector<float> scale;
   std::vector<int32_t> sum;
+  std::vector<float> zterm;  // int4: scale * sum per block, the zero point's factor
   int64_t kv, block, blocks;
 
   XInt16(const float* x, int64_t M, int64_t K, int64_t block_k, XOrder order)
@@ -214,6 +215,7 @@ struct XInt16 {
     q.resize(M * kv);
     scale.resize(M * blocks);
     sum.resize(M * blocks);
+    zterm.resize(M * blocks);
     const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
@@ -254,6 +256,7 @@ struct XInt16 {
         u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
         u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
         sum[m * blocks + b] = _mm_cvtsi128_si32(u);
+        zterm[m * blocks + b] = s * static_cast<float>(sum[m * blocks + b]);
       }
       int16_t* row = q.data() + m * kv;
       for (int64_t k = 0; order != XOrder::natural && k < kv; k += 64) {
@@ -283,8 +286,10 @@ struct XInt16 {
 // latency chain to split; Int4Words keeps a second for its sixteen-times vectors); at the
 // block's end its 8 lanes are converted and scaled into a running fp32 vector (int8: by
 // x's block scale, the per-channel scale once at the end; int4: by x's and the group's),
-// int4's z * sum(q_x) per group subtracted in scalar, and a per-channel row's last K % 32
-// k added in fp32 on x as it is. The int32 sums, |q_x| <= 32767: int8 adds 128 / 8 = 16
+// and a per-channel row's last K % 32 k added in fp32 on x as it is. int4 multiplies q,
+// not q - z: at the tile's end it subtracts sum_g z ws (x's block scale * sum_k q_x),
+// eight groups a vector (per group in scalar at each block's end it cost ~5% of the
+// op's time on Zen 1). The int32 sums, |q_x| <= 32767: int8 adds 128 / 8 = 16
 // products of at most 127 * 32767 per lane and block; int4 G / 8 of at most 15 * 32767
 // (Int4Words: 16 times the first accumulator plus the second, which holds products of
 // at most 240 * 32767, is converted at once: at WORDS_MAX_GROUP 16 * 0.063e9 + 1.006e9 =
@@ -335,7 +340,6 @@ inline void int16_tile(const Operands& o, const XInt16& xq, int64_t m0, int64_t 
                                         total[m][r]);
       } else {
         const float ws = o.scale[(n0 + r) * o.groups + b];
-        const float z = o.zero ? o.zero[(n0 + r) * o.groups + b] : 8.f;
         for (int m = 0; m < MR; ++m) {
           const float s = xq.scale[(m0 + m) * xq.blocks + b] * ws;
           if constexpr (sixteens) {  // 16 acc + acc16 = 16 times the sum, in int32 (see above)
@@ -344,8 +348,25 @@ inline void int16_tile(const Operands& o, const XInt16& xq, int64_t m0, int64_t 
           } else {
             total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][r]), _mm256_set1_ps(s), total[m][r]);
           }
-          tail[m][r] -= z * static_cast<float>(xq.sum[(m0 + m) * xq.blocks + b]) * s;
         }
+      }
+    }
+  }
+  if constexpr (int4) {  // sum_b z ws (x's scale * sum q_x), 8 groups a vector
+    for (int r = 0; r < R; ++r) {
+      const float* ws = o.scale + (n0 + r) * o.groups;
+      const float* z = o.zero ? o.zero + (n0 + r) * o.groups : nullptr;
+      for (int m = 0; m < MR; ++m) {
+        const float* c = xq.zterm.data() + (m0 + m) * xq.blocks;
+        __m256 v = _mm256_setzero_ps();
+        int64_t b = 0;
+        for (; b + 8 <= xq.blocks; b += 8) {
+          const __m256 zw = _mm256_mul_ps(z ? _mm256_loadu_ps(z + b) : _mm256_set1_ps(8.f), _mm256_loadu_ps(ws + b));
+          v = _mm256_fmadd_ps(zw, _mm256_loadu_ps(c + b), v);
+        }
+        float t = hsum8(v);
+        for (; b < xq.blocks; ++b) t += (z ? z[b] : 8.f) * ws[b] * c[b];
+        tail[m][r] = -t;
       }
     }
   }
