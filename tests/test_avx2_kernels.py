@@ -85,7 +85,8 @@ def test_avx2_decode_attention_matches_the_torch_backend(
     gen = torch.Generator().manual_seed(head_dim + window)
     block_size, num_blocks = 16, 12
     cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen)
-    seq_lens = torch.tensor([1, 7, 16, 17, 40, 0])  # 0: a row with nothing to attend to
+    # 0: a row with nothing to attend to; 12 and 27: chunks of 9-15 tokens (a partial second half)
+    seq_lens = torch.tensor([1, 7, 12, 16, 17, 27, 40, 0])
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:3] for _ in seq_lens])
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
     scale = head_dim**-0.5

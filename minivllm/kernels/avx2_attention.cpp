@@ -3,7 +3,7 @@
 //
 // One query token per row b, the head-major cache [num_kv_heads, num_blocks, block_size,
 // head_dim] read in place, each KV head serving its G query heads. The context is read
-// once, in chunks of up to 8 tokens, with an online softmax (Milakov & Gimelshein 2018,
+// once, in chunks of up to 16 tokens, with an online softmax (Milakov & Gimelshein 2018,
 // arXiv:1805.02867): for each head, s_t = scale <q, k_t>, the running max and sum are
 // rescaled per chunk, and o = sum_t p_t v_t / sum_t p_t.
 //
@@ -23,7 +23,7 @@
 
 namespace {
 
-constexpr int CHUNK = 8;  // tokens per chunk: one vector of scores per head
+constexpr int CHUNK = 16;  // tokens per chunk (a block of 16): two vectors of scores per head
 
 // Lane i of the result: the sum of the 8 lanes of v_i.
 inline __m256 sum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
@@ -35,8 +35,9 @@ inline __m256 sum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256
 }
 
 // Raw scores <q, k_t> for the n (<= 8) keys at rows k[0, n), D = 8 * ND; rows past n repeat
-// row n - 1 (valid memory) and are masked by the caller. d is the outer loop so that the 8 tokens' sums are 8 independent FMA chains
-// (one token's 16-FMA chain at a time waited on FMA latency); the sums' order is unchanged.
+// row n - 1 (valid memory) and are masked by the caller. d is the outer loop so that the
+// 8 tokens' sums are 8 independent FMA chains (one token's 16-FMA chain at a time waited
+// on FMA latency).
 inline __m256 chunk_scores(const float* q, const float* k, int n, int64_t ND) {
   const int64_t stride = 8 * ND;
   const float *r0 = k, *r1 = k + std::min(1, n - 1) * stride, *r2 = k + std::min(2, n - 1) * stride,
@@ -89,7 +90,7 @@ void attend_one(const float* q, const float* k_head, const float* v_head, const 
                 int64_t G, int64_t D, float scale, float* out, std::vector<float>& scratch) {
   scratch.assign(G * (D + CHUNK + 2), 0.f);
   float* acc = scratch.data();  // [G][D]
-  float* p = acc + G * D;       // [G][8]
+  float* p = acc + G * D;       // [G][CHUNK]
   float* m = p + G * CHUNK;     // [G]
   float* l = m + G;             // [G]
   std::fill(m, m + G, -INFINITY);
@@ -107,16 +108,25 @@ void attend_one(const float* q, const float* k_head, const float* v_head, const 
       const char* vn = reinterpret_cast<const char*>(v_head + ahead.row * D);
       for (int64_t b = 0; b < ahead.n * D * 4; b += 64) _mm_prefetch(kn + b, _MM_HINT_T0), _mm_prefetch(vn + b, _MM_HINT_T0);
     }
-    const __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c.n), lane));
+    // tokens 0-7 and 8-15 of the chunk: lanes past n masked (the second half may be empty)
+    const int n0 = std::min(c.n, 8), n1 = c.n - n0;
+    const __m256 valid0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n0), lane));
+    const __m256 valid1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n1), lane));
+    const __m256 none = _mm256_set1_ps(-INFINITY);
     for (int64_t g = 0; g < G; ++g) {
-      const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                                        _mm256_mul_ps(chunk_scores(q + g * D, k, c.n, D / 8), sc), valid);
-      const float m_new = std::max(m[g], hmax8(s));
+      const __m256 s0 = _mm256_blendv_ps(none, _mm256_mul_ps(chunk_scores(q + g * D, k, n0, D / 8), sc), valid0);
+      const __m256 s1 = n1 > 0 ? _mm256_blendv_ps(none, _mm256_mul_ps(chunk_scores(q + g * D, k + 8 * D, n1, D / 8), sc),
+                                                   valid1)
+                               : none;
+      const float m_new = std::max(m[g], hmax8(_mm256_max_ps(s0, s1)));
       const float alpha = std::exp(m[g] - m_new);  // 0 on the first chunk (m = -inf)
-      const __m256 e = _mm256_and_ps(valid, exp8(_mm256_sub_ps(s, _mm256_set1_ps(m_new))));
-      l[g] = l[g] * alpha + hsum8(e);
+      const __m256 shift = _mm256_set1_ps(m_new);
+      const __m256 e0 = _mm256_and_ps(valid0, exp8(_mm256_sub_ps(s0, shift)));
+      const __m256 e1 = _mm256_and_ps(valid1, exp8(_mm256_sub_ps(s1, shift)));
+      l[g] = l[g] * alpha + hsum8(_mm256_add_ps(e0, e1));
       m[g] = m_new;
-      _mm256_storeu_ps(p + g * CHUNK, e);
+      _mm256_storeu_ps(p + g * CHUNK, e0);
+      _mm256_storeu_ps(p + g * CHUNK + 8, e1);
       pv(v, c.n, D, p + g * CHUNK, alpha, acc + g * D);
     }
   }
