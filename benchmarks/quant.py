@@ -14,6 +14,9 @@ Variants (each in its own subprocess, one after another, so they never share the
              (llama.cpp's Q4_0 and Q4_K_M keep the output matrix at 6 bits, q6_K)
   int4-all   int4_w4a16 on the LM head too (llama.cpp's `llama-quantize --pure` Q4_0):
              a quarter of the head's bytes for a coarser output distribution
+  int4a8     int4_w4a8 (group 128, activations int8 per token and group, as llama.cpp's
+             Q4_0 meets q8_0 activations) on the linear layers, int8 on the LM head
+  int4a8-all int4_w4a8 on the LM head too
   w8a8       int8_w8a8 on the linear layers, LM head bf16 (vLLM's W8A8 checkpoints keep it)
   fp8        fp8_w8a16 on the linear layers (the shorthand: LM head unquantized)
   int8-nohead / int4-nohead   the shorthands as they are (LM head unquantized)
@@ -50,6 +53,14 @@ VARIANTS: dict[str, dict] = {
     "int4-all": {
         "quantization": "online",
         "quantization_config": {"targets": {"*": "int4_w4a16", "lm_head": "int4_w4a16"}},
+    },
+    "int4a8": {
+        "quantization": "online",
+        "quantization_config": {"targets": {"*": "int4_w4a8", **HEAD_INT8}},
+    },
+    "int4a8-all": {
+        "quantization": "online",
+        "quantization_config": {"targets": {"*": "int4_w4a8", "lm_head": "int4_w4a8"}},
     },
     "w8a8": {"quantization": "int8_w8a8"},
     "fp8": {"quantization": "fp8"},

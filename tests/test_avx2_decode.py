@@ -86,6 +86,7 @@ def _greedy(llm: LLM, prompts, fused) -> list:
             {"targets": {"*": {"scheme": "int4_w4a16", "group_size": 32, "symmetric": False}}},
         ),
         ("Qwen2ForCausalLM", {"hidden_size": 128}, {"targets": {"*": {"scheme": "fp8_w8a16"}}}),
+        ("Qwen3ForCausalLM", {}, {"targets": {"*": {"scheme": "int4_w4a8", "group_size": 64}}}),
     ],
 )
 def test_avx2_decode_step_equals_the_per_layer_path(make_checkpoint, arch, overrides, quantization):
@@ -113,7 +114,8 @@ def test_avx2_decode_step_equals_the_per_layer_path(make_checkpoint, arch, overr
     scheme = None if quantization is None else quantization["targets"]["*"]["scheme"]
     # unquantized: a bf16 checkpoint's panels, or an fp32 one's weights on at::linear
     unquantized = 0 if overrides.get("dtype") == torch.bfloat16 else -1
-    kind = {None: unquantized, "int8_w8a16": 1, "int4_w4a16": 2, "fp8_w8a16": 3}[scheme]
+    kinds = {None: unquantized, "int8_w8a16": 1, "int4_w4a16": 2, "fp8_w8a16": 3, "int4_w4a8": 5}
+    kind = kinds[scheme]
     assert set(fused.linears[0::3]) == {kind}  # every linear of every layer
     prompts = [
         {"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 1, 2, 5, 7, 4, 6, 8, 11, 13, 2)

@@ -29,7 +29,7 @@ from tests.conftest import needs_avx2
 def _bound(x: torch.Tensor, qw: formats.QuantWeights, ref: torch.Tensor, bias: torch.Tensor):
     """The docstring's bound, per output, in float64."""
     k = qw.in_features
-    if qw.scheme == "int4_w4a16":
+    if qw.scheme in formats.INT4_SCHEMES:
         q = formats.unpack_int4(qw.weight).double()
         zero = 8.0 if qw.zero is None else qw.zero.double().repeat_interleave(qw.group_size, 1)
         scale = qw.scale.double().repeat_interleave(qw.group_size, 1)
@@ -203,6 +203,64 @@ def test_int8_w8a8_in_fp32_matches_the_reference_exactly(avx2, m):
     assert torch.equal(ours, formats.reference_linear(x, qw, bias))
 
 
+def _w4a8_x(x: torch.Tensor, group: int) -> torch.Tensor:
+    """int4_w4a8's activations as the values they stand for, xq * xs, in float64."""
+    xq, xs = formats.quantize_per_group(x, group)
+    return xq.double() * xs.double().repeat_interleave(group, -1)
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    "group,symmetric", [(128, True), (64, False), (256, True), (512, False), (32, True)]
+)
+@pytest.mark.parametrize("m", [0, 1, 3, 8, 9, 40])
+def test_int4_w4a8_matches_its_reference(avx2, group, symmetric, m):
+    """int4_w4a8 (kind 5): x rounded to int8 per row and group (formats.quantize_per_group,
+    the kernel's rounding with the same fp32 operations), then the exact product of those
+    values with the int4 weight. Up to 8 rows the kernel sums the integers exactly (in
+    int16 for up to 256 k, |sum| <= 8 * 3810, then int32) and scales each group's sum; past
+    8 rows, and for groups of 32, it multiplies the rounded values in the panel form. Both
+    are within the module's bound of `reference_linear`, taken on the rounded x. The same
+    bound around the unrounded product fails somewhere: the test tells the schemes apart."""
+    k, n = 1024, 37
+    gen = torch.Generator().manual_seed(m * 10 + group)
+    qw = formats.quantize(torch.randn(n, k, generator=gen), "int4_w4a8", group, symmetric)
+    assert qw.kind == formats.KIND_INT4_W4A8
+    x = torch.randn(m, k, generator=gen)
+    x[:, :8] *= 30  # an outlier channel: per-group scales keep it to its own group
+    bias = torch.randn(n, generator=gen)
+    y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias)
+    ref = formats.reference_linear(x, qw, bias).double()
+    xd = _w4a8_x(x, group)
+    bound = _bound(xd, qw, ref, bias) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+    if m:
+        unrounded = x.double() @ formats.dequantize(qw).double().T + bias.double()
+        assert ((y.double() - unrounded).abs() > bound).any()
+
+
+@needs_avx2
+@pytest.mark.parametrize("m", [1, 9])
+def test_int4_w4a8_int16_sums_hold_at_their_largest(avx2, m):
+    """The int16 lanes at their limit: q = 15 (asymmetric, zero 0) against x at +-127 in
+    every k of a 256-k run, so each lane adds 8 pair products of 2 * 15 * 127 = 3810
+    (30480 < 32767); a wrap would be off by 65536 in a lane."""
+    k = 512
+    gen = torch.Generator().manual_seed(m)
+    q = torch.full((3, k), 15, dtype=torch.uint8)
+    q[1] = 0
+    q[2, ::2] = 7
+    qw = formats.from_int4_values(
+        q, torch.full((3, k // 256), 0.5), torch.zeros(3, k // 256), 256, "int4_w4a8"
+    )
+    sign = torch.where(torch.rand(m, k, generator=gen) < 0.5, -1.0, 1.0)
+    x = torch.ones(m, k) * 3.0
+    x[1:] *= sign[1:]
+    y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, None)
+    ref = formats.reference_linear(x, qw).double()
+    assert ((y.double() - ref).abs() <= 1e-6 * ref.abs().clamp(min=1)).all()
+
+
 @needs_avx2
 @pytest.mark.parametrize("m,n,k", [(1, 37, 40), (3, 64, 96), (40, 300, 256)])
 def test_linear_int8w_keeps_its_contract(avx2, m, n, k):
@@ -226,6 +284,7 @@ def test_linear_int8w_keeps_its_contract(avx2, m, n, k):
         ("int4_w4a16", {"group_size": 32, "symmetric": False}),
         ("fp8_w8a16", {}),
         ("int8_w8a8", {}),
+        ("int4_w4a8", {"group_size": 64}),
     ],
 )
 def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(

@@ -311,8 +311,9 @@ def test_quant_linear_rejects_malformed_inputs():
 
 
 def test_schemes_and_kinds_agree():
-    assert set(SCHEMES) == {"int8_w8a16", "int8_w8a8", "int4_w4a16", "fp8_w8a16"}
-    assert [quantize(_weights(2, 64, 3), s, group_size=32).kind for s in SCHEMES] == [1, 4, 2, 3]
+    assert set(SCHEMES) == {"int8_w8a16", "int8_w8a8", "int4_w4a16", "int4_w4a8", "fp8_w8a16"}
+    kinds = [quantize(_weights(2, 64, 3), s, group_size=32).kind for s in SCHEMES]
+    assert kinds == [1, 4, 2, 5, 3]
 
 
 # -- the fused decode step with quantized linears -------------------------------------------

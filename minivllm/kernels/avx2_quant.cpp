@@ -13,6 +13,9 @@
 //         lanes, per instruction); each block's int32 sums are scaled once at its end.
 //   fp8   the fp32 form: a 16-k unit turned into two fp32 vectors, FMAs into two
 //         accumulators per (x row, weight row) that alternate (two chains of latency).
+//   int4_w4a8  int4's rows against x rounded to int8 per group as the scheme says
+//         (formats.quantize_per_group): vpmaddubsw, 32 products per instruction, summed
+//         in int16 for up to 256 k (int8x_tile).
 // Past 8 rows (larger batches, prefill) the bf16 panels' GEMM micro-kernel (avx2_gemm.h)
 // runs on fp32 panels dequantized from the rows block by block, each weight decoded once
 // per call.
@@ -56,7 +59,7 @@
 
 namespace {
 
-constexpr int64_t KIND_INT8 = 1, KIND_INT4 = 2, KIND_FP8 = 3;  // formats.KERNEL_KIND
+constexpr int64_t KIND_INT8 = 1, KIND_INT4 = 2, KIND_FP8 = 3, KIND_INT4_A8 = 5;  // formats.KERNEL_KIND
 
 // MXCSR's DAZ (bit 6) and FTZ (bit 15) cleared while alive, restored after.
 class KeepSubnormals {
@@ -194,6 +197,19 @@ inline void prefetch_ahead(const Operands& o, int64_t ahead, int64_t end) {
   if (ahead < end) _mm_prefetch(reinterpret_cast<const char*>(o.q + ahead), _MM_HINT_T0);
 }
 
+// The largest |x| of n floats (n a multiple of 8) as its bits: |x| as integers orders as
+// the floats do, inf and NaN above every finite value.
+inline uint32_t magnitude_bits(const float* src, int64_t n) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256i top = _mm256_setzero_si256();
+  for (int64_t k = 0; k < n; k += 8)
+    top = _mm256_max_epi32(top, _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(src + k)), magnitude));
+  __m128i t = _mm_max_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+  t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(t));
+}
+
 // x rounded to int16 for the integer register form: row m's k in [0, kv) (kv: K rounded
 // down to 32) in blocks of `block` k, block b of row m as q[m kv + k] * scale[m blocks + b]
 // with scale a power of two, amax / 32767 <= scale < 2 amax / 32767 (at least 2^-126; 1
@@ -216,19 +232,11 @@ struct XInt16 {
     scale.resize(M * blocks);
     sum.resize(M * blocks);
     zterm.resize(M * blocks);
-    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t k0 = b * block, k1 = std::min(k0 + block, kv);
         const float* src = x + m * K;
-        // |x| as integers orders as the floats do, inf and NaN above every finite value
-        __m256i top = _mm256_setzero_si256();
-        for (int64_t k = k0; k < k1; k += 8)
-          top = _mm256_max_epi32(top, _mm256_and_si256(_mm256_castps_si256(_mm256_loadu_ps(src + k)), magnitude));
-        __m128i t = _mm_max_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
-        t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0x4E));
-        t = _mm_max_epi32(t, _mm_shuffle_epi32(t, 0xB1));
-        const uint32_t bits = static_cast<uint32_t>(_mm_cvtsi128_si32(t));
+        const uint32_t bits = magnitude_bits(src + k0, k1 - k0);
         float amax;
         std::memcpy(&amax, &bits, sizeof amax);
         float s = 1.f;
@@ -280,6 +288,23 @@ struct XInt16 {
     }
   }
 };
+
+// int4's zero-point term for weight row n against one row of x: sum_g z[n, g] ws[n, g]
+// c[g], c being x's group scale times its group's sum of q (z = 8 when symmetric), eight
+// groups a vector.
+inline float zero_point_term(const Operands& o, int64_t n, const float* c) {
+  const float* ws = o.scale + n * o.groups;
+  const float* z = o.zero ? o.zero + n * o.groups : nullptr;
+  __m256 v = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= o.groups; g += 8) {
+    const __m256 zw = _mm256_mul_ps(z ? _mm256_loadu_ps(z + g) : _mm256_set1_ps(8.f), _mm256_loadu_ps(ws + g));
+    v = _mm256_fmadd_ps(zw, _mm256_loadu_ps(c + g), v);
+  }
+  float t = hsum8(v);
+  for (; g < o.groups; ++g) t += (z ? z[g] : 8.f) * ws[g] * c[g];
+  return t;
+}
 
 // The integer register form: y[m, n] for rows m0..m0+MR and weight rows n0..n0+R (all in
 // range). Per block, one int32 accumulator per (x row, weight row) (integer adds have no
@@ -353,22 +378,8 @@ inline void int16_tile(const Operands& o, const XInt16& xq, int64_t m0, int64_t 
     }
   }
   if constexpr (int4) {  // sum_b z ws (x's scale * sum q_x), 8 groups a vector
-    for (int r = 0; r < R; ++r) {
-      const float* ws = o.scale + (n0 + r) * o.groups;
-      const float* z = o.zero ? o.zero + (n0 + r) * o.groups : nullptr;
-      for (int m = 0; m < MR; ++m) {
-        const float* c = xq.zterm.data() + (m0 + m) * xq.blocks;
-        __m256 v = _mm256_setzero_ps();
-        int64_t b = 0;
-        for (; b + 8 <= xq.blocks; b += 8) {
-          const __m256 zw = _mm256_mul_ps(z ? _mm256_loadu_ps(z + b) : _mm256_set1_ps(8.f), _mm256_loadu_ps(ws + b));
-          v = _mm256_fmadd_ps(zw, _mm256_loadu_ps(c + b), v);
-        }
-        float t = hsum8(v);
-        for (; b < xq.blocks; ++b) t += (z ? z[b] : 8.f) * ws[b] * c[b];
-        tail[m][r] = -t;
-      }
-    }
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < MR; ++m) tail[m][r] = -zero_point_term(o, n0 + r, xq.zterm.data() + (m0 + m) * xq.blocks);
   }
   for (int m = 0; m < MR; ++m) {
     for (int r = 0; r < R; ++r) {
@@ -494,6 +505,154 @@ void int16_product(const Operands& o, float* y) {
   register_product<MULTI_MR, MULTI_R>(o, [&](int64_t m, int64_t n, auto mr, auto r) { int16_tile<U, decltype(mr)::value, decltype(r)::value>(o, xq, m, n, y); });
 }
 
+// int4_w4a8's activations: x rounded to int8 per (row, group) as
+// formats.quantize_per_group says: inv = 127 / amax, q = round(x inv) (fp32, to nearest
+// even: vcvtps2dq in MXCSR's default mode) and scale amax / 127; a group of zeros has
+// scale 1 and q = 0, one holding an inf or NaN scale NaN (so that it reaches the output).
+// Returns the scale, sets inv (0 where q is all 0).
+inline float int8_group_scale(const float* src, int64_t n, float* inv) {
+  const uint32_t bits = magnitude_bits(src, n);
+  float amax;
+  std::memcpy(&amax, &bits, sizeof amax);
+  if (bits >= 0x7F800000u) return *inv = 0.f, std::numeric_limits<float>::quiet_NaN();
+  if (bits == 0) return *inv = 0.f, 1.f;
+  *inv = 127.f / amax;
+  return amax / 127.f;
+}
+
+// x as int8 for the register form, row m's group g at q[m K + g G] with scale[m groups + g].
+// Within each 64 k the bytes are laid out as the weight unit's nibbles come: k 0-15,
+// 32-47 (a 32-byte load's low nibbles), then 16-31, 48-63 (its high ones). zterm: each
+// group's scale times its sum of q (the zero point's factor).
+struct XInt8 {
+  std::vector<int8_t> q;
+  std::vector<float> scale, zterm;
+  int64_t K, group, groups;
+
+  XInt8(const float* x, int64_t M, int64_t K_, int64_t group_k) : K(K_), group(group_k), groups(K_ / group_k) {
+    q.resize(M * K);
+    scale.resize(M * groups);
+    zterm.resize(M * groups);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const float* src = x + m * K + g * group;
+        float inv_s;
+        const float s = int8_group_scale(src, group, &inv_s);
+        const __m256 inv = _mm256_set1_ps(inv_s);
+        __m256i total = _mm256_setzero_si256();
+        for (int64_t k = 0; k < group; k += 32) {
+          __m256i v[4];
+          for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(src + k + 8 * i), inv));
+            total = _mm256_add_epi32(total, v[i]);
+          }
+          // the packs interleave 128-bit halves twice: the permute puts k 0-31 back in order
+          const __m256i b8 = _mm256_permutevar8x32_epi32(
+              _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])),
+              _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+          // k 0-15 of these 32 go to their 64's low-nibble half, 16-31 to the high one
+          const int64_t at = g * group + k, base = at / 64 * 64, half = at % 64 / 32;
+          int8_t* row = q.data() + m * K;
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + base + 16 * half), _mm256_castsi256_si128(b8));
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(row + base + 32 + 16 * half), _mm256_extracti128_si256(b8, 1));
+        }
+        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
+        scale[m * groups + g] = s;
+        zterm[m * groups + g] = s * static_cast<float>(_mm_cvtsi128_si32(u));
+      }
+    }
+  }
+};
+
+// The same rounding as fp32 values q * scale in x's natural order: what the panel form
+// multiplies for int4_w4a8 past the register form's rows (and for groups of 32).
+std::vector<float> int8_rounded(const float* x, int64_t M, int64_t K, int64_t group) {
+  std::vector<float> out(M * K);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k0 = 0; k0 < K; k0 += group) {
+      const float* src = x + m * K + k0;
+      float inv_s;
+      const float s = int8_group_scale(src, group, &inv_s);
+      const __m256 inv = _mm256_set1_ps(inv_s), sv = _mm256_set1_ps(s);
+      for (int64_t k = 0; k < group; k += 8) {
+        const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(src + k), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm256_storeu_ps(out.data() + m * K + k0 + k, _mm256_mul_ps(q, sv));
+      }
+    }
+  }
+  return out;
+}
+
+// int4_w4a8's register form: y[m, n] for rows m0..m0+MR and weight rows n0..n0+R. A
+// 32-byte load of a row is 64 k: & 0xF and (>> 4) & 0xF are 32 unsigned bytes each, and
+// vpmaddubsw multiplies them into x's signed bytes, summing pairs into 16 int16 lanes
+// (|.| <= 2 * 15 * 127 = 3810). Those add in int16 for up to 256 k (8 instructions:
+// 30480 < 32767) before vpmaddwd against ones widens them into the int32 accumulator,
+// so a product costs half a multiply instruction of int4_w4a16's vpmaddwd per weight.
+// Each group's int32 sum is scaled by x's group scale times the weight's; the zero
+// point's term, sum_g z ws (xs sum_k q_x), is subtracted once at the tile's end.
+constexpr int64_t SPAN_K = 256;  // k per int16 run
+
+template <int MR, int R, bool kShort>
+inline void int8x_tile(const Operands& o, const XInt8& xq, int64_t m0, int64_t n0, float* y) {
+  __m256 total[MR][R];
+  for (int m = 0; m < MR; ++m)
+    for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
+  const int64_t next = (n0 + R) * o.row_bytes, end = o.N * o.row_bytes;
+  const uint8_t* rows = o.q + n0 * o.row_bytes;
+  const int8_t* xrows = xq.q.data() + m0 * xq.K;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < xq.groups; ++g) {
+    __m256i acc[MR][R];  // the group's int32 sums (kShort: its one run's)
+    for (int64_t k0 = g * xq.group; k0 < (g + 1) * xq.group; k0 += SPAN_K) {
+      const int64_t k1 = std::min(k0 + SPAN_K, (g + 1) * xq.group);
+      __m256i acc16[MR][R];
+      for (int m = 0; m < MR; ++m)
+        for (int r = 0; r < R; ++r) acc16[m][r] = _mm256_setzero_si256();
+      for (int64_t k = k0; k < k1; k += 64) {
+        const int64_t at = k / 2;
+        for (int64_t line = 0; line < 32 * R; line += 64) prefetch_ahead(o, next + at * R + line, end);
+        for (int r = 0; r < R; ++r) {
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * o.row_bytes + at));
+          const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
+          for (int m = 0; m < MR; ++m) {
+            const __m256i* xk = reinterpret_cast<const __m256i*>(xrows + m * xq.K + k);
+            acc16[m][r] = _mm256_add_epi16(acc16[m][r], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_loadu_si256(xk)),
+                                                                         _mm256_maddubs_epi16(hi, _mm256_loadu_si256(xk + 1))));
+          }
+        }
+      }
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int m = 0; m < MR; ++m) {
+        for (int r = 0; r < R; ++r) {
+          const __m256i wide = _mm256_madd_epi16(acc16[m][r], ones);
+          acc[m][r] = kShort || k0 == g * xq.group ? wide : _mm256_add_epi32(acc[m][r], wide);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float ws = o.scale[(n0 + r) * o.groups + g];
+      for (int m = 0; m < MR; ++m)
+        total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][r]), _mm256_set1_ps(xq.scale[(m0 + m) * xq.groups + g] * ws),
+                                      total[m][r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < MR; ++m)
+      y[(m0 + m) * o.N + n0 + r] = hsum8(total[m][r]) - zero_point_term(o, n0 + r, xq.zterm.data() + (m0 + m) * xq.groups);
+}
+
+void int8x_product(const Operands& o, float* y) {
+  const XInt8 xq(o.x, o.M, o.K, o.group_k);
+  if (o.group_k <= SPAN_K) {
+    register_product<MULTI_MR, MULTI_R>(o, [&](int64_t m, int64_t n, auto mr, auto r) { int8x_tile<decltype(mr)::value, decltype(r)::value, true>(o, xq, m, n, y); });
+  } else {
+    register_product<MULTI_MR, MULTI_R>(o, [&](int64_t m, int64_t n, auto mr, auto r) { int8x_tile<decltype(mr)::value, decltype(r)::value, false>(o, xq, m, n, y); });
+  }
+}
+
 // v[r][i] -> v[i][r] for an 8 x 8 block of fp32.
 inline void transpose8(__m256 v[8]) {
   __m256 t[8], u[8];
@@ -587,16 +746,18 @@ constexpr int64_t REGISTER_MAX_ROWS = 8;
 
 // x: [M, K] fp32. kind 1 (int8: weight int8 [N, K], scale [N]), 2 (int4: weight uint8
 // [N, K/2] packed, scale [N, K/G], zero [N, K/G] or none, group_size G), 3 (fp8: weight
-// uint8 e4m3 bits [N, K], scale [N]). bias: [N] or none. Returns [M, N] fp32.
+// uint8 e4m3 bits [N, K], scale [N]), 5 (int4_w4a8: int4's operands, x rounded to int8
+// per group). bias: [N] or none. Returns [M, N] fp32.
 torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
                                  c10::optional<torch::Tensor> zero, int64_t group_size,
                                  c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(kind == KIND_INT8 || kind == KIND_INT4 || kind == KIND_FP8, "kind: 1 int8, 2 int4, 3 fp8");
+  TORCH_CHECK(kind == KIND_INT8 || kind == KIND_INT4 || kind == KIND_FP8 || kind == KIND_INT4_A8,
+              "kind: 1 int8, 2 int4, 3 fp8, 5 int4_w4a8");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: float32 [M, K]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous(), "scale: contiguous float32");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "weight: contiguous [N, row bytes]");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const bool int4 = kind == KIND_INT4;
+  const bool int4 = kind == KIND_INT4 || kind == KIND_INT4_A8;
   TORCH_CHECK(K > 0 && (!int4 || K % 32 == 0), "K must be positive (int4: a multiple of 32)");
   TORCH_CHECK(weight.scalar_type() == (kind == KIND_INT8 ? at::kChar : at::kByte), "weight: int8 (int8), uint8 (int4, fp8)");
   TORCH_CHECK(weight.size(1) == (int4 ? K / 2 : K), "weight's row size does not match K");
@@ -621,10 +782,17 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
              M, K, N, weight.size(1), groups, G, int4};
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  if (M > REGISTER_MAX_ROWS && K % 8 == 0) {
+  if (kind == KIND_INT4_A8 && M <= REGISTER_MAX_ROWS && G % 64 == 0) {
+    int8x_product(o, y.data_ptr<float>());
+  } else if ((M > REGISTER_MAX_ROWS && K % 8 == 0) || kind == KIND_INT4_A8) {  // int4: K % 32 == 0
     const int64_t ldy = (N + avx2_gemm::PANEL - 1) / avx2_gemm::PANEL * avx2_gemm::PANEL;
     auto ypad = ldy == N ? y : torch::empty({M, ldy}, x.options());
-    if (int4) {
+    if (kind == KIND_INT4_A8) {  // x rounded as the scheme says, then the weight-only panels
+      const std::vector<float> rounded = int8_rounded(o.x, M, K, G);
+      Operands r = o;
+      r.x = rounded.data();
+      panel_product<Int4Unit>(r, rounded.data(), ypad.data_ptr<float>(), ldy);
+    } else if (int4) {
       panel_product<Int4Unit>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
     } else if (kind == KIND_FP8) {
       panel_product<Fp8Unit>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);

@@ -138,7 +138,7 @@ def _why_not_kernel_linear(linear: LinearBase) -> str | None:
 
 # linear_quantw's kinds (kernels/avx2_quant.cpp); int8_w8a8 in an fp32 engine quantizes
 # its activations in Python first (QuantizedLinearMethod._apply_fp32), so it has no step
-_FP32_KINDS = {"int8_w8a16": 1, "int4_w4a16": 2, "fp8_w8a16": 3}
+_FP32_KINDS = {"int8_w8a16": 1, "int4_w4a16": 2, "fp8_w8a16": 3, "int4_w4a8": 5}
 
 
 def _why_not_fp32_linear(linear: LinearBase) -> str | None:

@@ -29,7 +29,8 @@ from typing import Any
 
 from minivllm.utils.json_config import config_dict
 
-SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "fp8_w8a16")
+SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "int4_w4a8", "fp8_w8a16")
+INT4_SCHEMES = ("int4_w4a16", "int4_w4a8")
 SHORTHANDS = {"int8": "int8_w8a16", "int4": "int4_w4a16", "fp8": "fp8_w8a16"}
 QUANTIZATION_METHODS = ("online", *SHORTHANDS, *SCHEMES)
 BACKENDS = ("cpu_kernel", "torch")
@@ -48,7 +49,7 @@ class SchemeSpec:
     symmetric: bool = True
 
     def __str__(self) -> str:
-        if self.scheme != "int4_w4a16":
+        if self.scheme not in INT4_SCHEMES:
             return self.scheme
         return f"{self.scheme} (group {self.group_size}, {'' if self.symmetric else 'a'}symmetric)"
 
@@ -225,7 +226,7 @@ def _spec(value: Any, defaults: dict[str, Any], where: str, int4_only: bool = Fa
             f"target {where!r}: unknown scheme {value['scheme']!r}; choose one of "
             f"{', '.join(SCHEMES)} or a shorthand ({', '.join(SHORTHANDS)})"
         )
-    if int4_only and scheme != "int4_w4a16":
+    if int4_only and scheme not in INT4_SCHEMES:
         defaults = {}
     options = {**defaults, **{k: v for k, v in value.items() if k != "scheme"}}
     group_size = options.get("group_size", 128)
@@ -241,7 +242,7 @@ def _spec(value: Any, defaults: dict[str, Any], where: str, int4_only: bool = Fa
         )
     if not isinstance(symmetric, bool):
         raise ValueError(f"target {where!r}: symmetric must be true or false, got {symmetric!r}")
-    if scheme != "int4_w4a16" and not symmetric:
+    if scheme not in INT4_SCHEMES and not symmetric:
         raise ValueError(f"target {where!r}: {scheme} is symmetric only")
     return SchemeSpec(scheme, group_size, symmetric)
 

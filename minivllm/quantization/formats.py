@@ -2,13 +2,14 @@
 
 `reference_linear` is the contract: the kernels (`kernels/quant_gemm.cpp`) compute the
 same float32 sums in another order and round once to bf16, and
-tests/test_quant_kernels.py holds them to it. Four schemes:
+tests/test_quant_kernels.py holds them to it. Five schemes:
 
     scheme        weight [N, K] stored as            scale            activations
     int8_w8a16    int8, symmetric per channel        float32 [N]      bf16
     int8_w8a8     int8, symmetric per channel        float32 [N]      int8 per token, in the kernel
     fp8_w8a16     float8 e4m3 bits (uint8)           float32 [N]      bf16
     int4_w4a16    uint8 [N, K/2], two nibbles a byte float32 [N, K/G] bf16   (zero: [N, K/G] or 8)
+    int4_w4a8     as int4_w4a16                      as int4_w4a16    int8 per token and group
 
 The int4 nibbles are packed so that one 16-byte load, widened to 16-bit lanes, gives
 16 consecutive k from the low nibbles and the next 16 from the high ones:
@@ -24,18 +25,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "fp8_w8a16")
+SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "int4_w4a8", "fp8_w8a16")
+INT4_SCHEMES = ("int4_w4a16", "int4_w4a8")  # the same weights; w4a8 rounds x to int8 too
 
 # the `kind` argument of the compiled `quant_linear`
 KIND_INT8_W8A16 = 1
 KIND_INT4_W4A16 = 2
 KIND_FP8_W8A16 = 3
 KIND_INT8_W8A8 = 4
+KIND_INT4_W4A8 = 5  # the AVX2 family's linear_quantw only
 KERNEL_KIND = {
     "int8_w8a16": KIND_INT8_W8A16,
     "int4_w4a16": KIND_INT4_W4A16,
     "fp8_w8a16": KIND_FP8_W8A16,
     "int8_w8a8": KIND_INT8_W8A8,
+    "int4_w4a8": KIND_INT4_W4A8,
 }
 
 INT8_MAX = 127
@@ -105,9 +109,9 @@ def _check_layout(qw: QuantWeights) -> None:
     if qw.scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {qw.scheme!r}; known: {SCHEMES}")
     want_dtype = torch.int8 if qw.scheme.startswith("int8") else torch.uint8
-    want_shape = (n, k // 2) if qw.scheme == "int4_w4a16" else (n, k)
+    want_shape = (n, k // 2) if qw.scheme in INT4_SCHEMES else (n, k)
     _expect(qw.weight, "weight", want_dtype, want_shape)
-    if qw.scheme == "int4_w4a16":
+    if qw.scheme in INT4_SCHEMES:
         if not _divides(INT4_CHUNK, qw.group_size) or k % qw.group_size:
             raise ValueError(
                 f"int4 groups of {qw.group_size} must be a multiple of {INT4_CHUNK} dividing K={k}"
@@ -165,15 +169,17 @@ def from_fp8_values(q: Tensor, scale: Tensor) -> QuantWeights:
 
 
 def from_int4_values(
-    q: Tensor, scale: Tensor, zero: Tensor | None, group_size: int
+    q: Tensor, scale: Tensor, zero: Tensor | None, group_size: int, scheme: str = "int4_w4a16"
 ) -> QuantWeights:
     """Unpacked int4 values q in [0, 15] (uint8 [N, K]), scales [N, K/G] and zero points
     [N, K/G] (None: symmetric, 8), w = (q - zero) * scale; packs q for the kernel."""
+    if scheme not in INT4_SCHEMES:
+        raise ValueError(f"want an int4 scheme ({', '.join(INT4_SCHEMES)}), got {scheme!r}")
     if q.dtype != torch.uint8 or bool((q > 15).any()):
         raise ValueError("want int4 values as uint8 in [0, 15]")
     n, k = q.shape
     zero = None if zero is None else _float32(zero)
-    return QuantWeights("int4_w4a16", pack_int4(q), _float32(scale), zero, None, group_size, n, k)
+    return QuantWeights(scheme, pack_int4(q), _float32(scale), zero, None, group_size, n, k)
 
 
 def _float32(t: Tensor) -> Tensor:
@@ -206,7 +212,7 @@ def quantize(
 
     int8 (both): scale = amax|w_row| / 127 (1 for a zero row), q = clamp(round(w/scale), +-127).
     fp8_w8a16: scale = amax|w_row| / 448, q = e4m3(clamp(w/scale, +-448)), round to nearest.
-    int4_w4a16, per group of `group_size` k (K % group_size == 0):
+    int4_w4a16 and int4_w4a8, per group of `group_size` k (K % group_size == 0):
       symmetric:  scale = amax|w_g| / 7, q = clamp(round(w/scale), -8, 7) + 8, zero None (8);
       asymmetric: the group's range [lo, hi] widened to include 0 (so zero is exact and
                   z in range), scale = (hi - lo) / 15, z = clamp(round(-lo/scale), 0, 15),
@@ -222,8 +228,8 @@ def quantize(
         scale = _amax_scale(w.abs().amax(dim=1), FP8_MAX)
         q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return from_fp8_values(q, scale)
-    if scheme == "int4_w4a16":
-        return _quantize_int4(w, group_size, symmetric)
+    if scheme in INT4_SCHEMES:
+        return _quantize_int4(w, group_size, symmetric, scheme)
     raise ValueError(f"unknown quantization scheme {scheme!r}; known: {SCHEMES}")
 
 
@@ -231,7 +237,7 @@ def _amax_scale(amax: Tensor, qmax: float) -> Tensor:
     return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
 
 
-def _quantize_int4(w: Tensor, group_size: int, symmetric: bool) -> QuantWeights:
+def _quantize_int4(w: Tensor, group_size: int, symmetric: bool, scheme: str) -> QuantWeights:
     n, k = w.shape
     if group_size <= 0 or k % group_size:
         raise ValueError(f"K={k} is not a multiple of the int4 group size {group_size}")
@@ -246,7 +252,7 @@ def _quantize_int4(w: Tensor, group_size: int, symmetric: bool) -> QuantWeights:
         scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
         zero = torch.round(-lo / scale).clamp_(0, 15)
         q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp_(0, 15)
-    return from_int4_values(q.reshape(n, k).to(torch.uint8), scale, zero, group_size)
+    return from_int4_values(q.reshape(n, k).to(torch.uint8), scale, zero, group_size, scheme)
 
 
 # -- the reference ---------------------------------------------------------------------------
@@ -272,18 +278,43 @@ def quantize_per_token(x: Tensor) -> tuple[Tensor, Tensor]:
     return xq, xs
 
 
+def quantize_per_group(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """int4_w4a8's activations, in float32 per row and group of `group_size` k: amax = the
+    group's max |x|, inv = 127 / amax and xs = amax / 127 (both 1 for a group of zeros),
+    xq = round(x * inv) (half to even; |xq| <= 127). Returns (xq int8 [..., K], xs [...,
+    K / group_size]).
+
+    Per group, not per token as vLLM's W4A8: the kernel scales each group's integer sum
+    anyway, so the finer scale costs nothing, and a row's outlier channels (Qwen's and
+    Llama's few huge activations) then coarsen only their own group's rounding, not the
+    whole row's (llama.cpp's q8_0 activations are per 32)."""
+    xf = x.to(torch.float32)
+    groups = xf.reshape(*xf.shape[:-1], xf.shape[-1] // group_size, group_size)
+    amax = groups.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, INT8_MAX / amax, torch.ones_like(amax))
+    xs = _amax_scale(amax, INT8_MAX)
+    xq = torch.round(groups * inv[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return xq.reshape(xf.shape), xs
+
+
 def reference_linear(x: Tensor, qw: QuantWeights, bias: Tensor | None = None) -> Tensor:
     """x [..., K] times qw's weight, the kernels' contract for bf16 x; [..., N] in x's dtype.
 
     Weight-only schemes: y = x @ dequantize(qw).T (+ bias), in float32, rounded to x's
     dtype once. int8_w8a8: (xq, xs) = quantize_per_token(x), acc[m, n] = sum_k xq[m, k]
     q[n, k] exactly, y = acc * xs[m] * scale[n] (+ bias) in float32, rounded once.
+    int4_w4a8: (xq, xs) = quantize_per_group(x, G), y = (xq * xs) @ dequantize(qw).T
+    summed in float64 (the kernel sums each group's integers exactly and scales them).
     """
     rows = x.reshape(-1, qw.in_features)
     if qw.scheme == "int8_w8a8":
         xq, xs = quantize_per_token(rows)
         acc = (xq.to(torch.float64) @ qw.weight.to(torch.float64).T).to(torch.float32)
         y = acc * xs[:, None] * qw.scale
+    elif qw.scheme == "int4_w4a8":
+        xq, xs = quantize_per_group(rows, qw.group_size)
+        xd = xq.to(torch.float64) * xs.to(torch.float64).repeat_interleave(qw.group_size, -1)
+        y = (xd @ dequantize(qw).to(torch.float64).T).to(torch.float32)
     else:
         y = rows.to(torch.float32) @ dequantize(qw).T
     if bias is not None:
@@ -295,10 +326,12 @@ def reference_linear(x: Tensor, qw: QuantWeights, bias: Tensor | None = None) ->
 
 
 def kernel_supports(scheme: str) -> bool:
-    """Whether this CPU runs `scheme`'s kernel: AVX512-BF16, and AVX512-VNNI for int8_w8a8."""
+    """Whether this CPU runs `scheme`'s bf16 kernel (quant_linear): AVX512-BF16, and
+    AVX512-VNNI for int8_w8a8. int4_w4a8 has none yet (only the AVX2 family's fp32 op):
+    bf16 engines run its reference."""
     from minivllm.kernels.isa import cpu_flags, cpu_has_avx512_bf16
 
-    if scheme not in SCHEMES:
+    if scheme not in SCHEMES or scheme == "int4_w4a8":
         return False
     return cpu_has_avx512_bf16() and (scheme != "int8_w8a8" or "avx512_vnni" in cpu_flags())
 
@@ -308,7 +341,9 @@ def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) ->
     is a multiple of 32 dividing K. Elsewhere use `reference_linear`."""
     if in_features <= 0 or in_features % 32:
         return False
-    return scheme != "int4_w4a16" or (_divides(32, group_size) and in_features % group_size == 0)
+    return scheme not in INT4_SCHEMES or (
+        _divides(32, group_size) and in_features % group_size == 0
+    )
 
 
 # -- int8_w8a8 for large batches: our AMX or VNNI GEMM on a prepacked copy ------------------
@@ -353,7 +388,7 @@ def packed_layout(packed: Tensor) -> str:
 # Measured on a 2-core AMD EPYC (Zen 4), Qwen3-0.6B's linears from memory (2026-12-02):
 # int8 and fp8 stream faster up to 64 rows (0.9x dequantize + GEMM's time at 64, 0.3-0.6x
 # at 4-16); int4's group tiles only up to 8 (at 16 rows 1.2-1.5x the dequantize + GEMM).
-MAX_STREAMING_ROWS = {"int8_w8a16": 64, "fp8_w8a16": 64, "int4_w4a16": 8}
+MAX_STREAMING_ROWS = {"int8_w8a16": 64, "fp8_w8a16": 64, "int4_w4a16": 8, "int4_w4a8": 8}
 
 
 def max_kernel_rows(qw: QuantWeights) -> int:

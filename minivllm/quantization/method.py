@@ -99,12 +99,12 @@ class QuantizedLinearMethod(LinearMethodBase):
                 "wsum": ((n,), torch.int32),
             },
             "fp8_w8a16": {"weight": ((n, k), torch.uint8), "scale": ((n,), torch.float32)},
-            "int4_w4a16": {
+            "int4": {
                 "weight": ((n, k // 2), torch.uint8),
                 "scale": ((n, groups), torch.float32),
                 **({} if self.spec.symmetric else {"zero": ((n, groups), torch.float32)}),
             },
-        }[self.spec.scheme]
+        }[self.spec.scheme if self.spec.scheme not in formats.INT4_SCHEMES else "int4"]
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
             delattr(layer, name)
         for name, (shape, dtype) in shapes.items():
@@ -134,7 +134,7 @@ class QuantizedLinearMethod(LinearMethodBase):
 
     @property
     def group_size(self) -> int:
-        return self.spec.group_size if self.spec.scheme == "int4_w4a16" else 0
+        return self.spec.group_size if self.spec.scheme in formats.INT4_SCHEMES else 0
 
     def choose_backend(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
         # an fp32 engine on the AVX2 family: the rows are decoded in registers and
