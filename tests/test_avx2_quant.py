@@ -19,6 +19,8 @@ scaling are a few roundings the bound above already covers.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -288,7 +290,7 @@ def test_linear_int8w_keeps_its_contract(avx2, m, n, k):
     ],
 )
 def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
-    make_checkpoint, scheme, options
+    make_checkpoint, scheme, options, caplog
 ):
     """Every scheme in an fp32 engine: the AVX2 op, not the reference that dequantizes every
     weight at every call; both compute in fp32 on the same numbers (int8_w8a8: the same
@@ -300,6 +302,7 @@ def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
     prompts = [[5, 9, 33, 120, 7, 8, 9], list(range(40, 70))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
     runs = {}
+    caplog.set_level("INFO", logger="minivllm")
     for backend in ("cpu_kernel", "torch"):
         llm = LLM(
             str(model_dir),
@@ -311,6 +314,10 @@ def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
             max_model_len=128,
             enable_prefix_caching=False,
         )
+        op = "the AVX2 family's linear_quantw" if backend == "cpu_kernel" else "the plain-PyTorch"
+        logged = rf"{scheme}: \d+ layers on {backend} \({op}.*, as linear_backend_per_quant asks"
+        assert re.search(logged, caplog.text), caplog.text
+        caplog.clear()
         down = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj
         assert down.quant_method.spec.scheme == scheme
         assert down.quant_method.backend == backend

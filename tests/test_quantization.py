@@ -237,3 +237,32 @@ def test_large_batches_dequantize_like_the_reference(make_checkpoint, quantizati
         [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2), use_tqdm=False
     )
     assert len(out.outputs[0].token_ids) == 2
+
+
+def test_a_default_that_falls_to_the_reference_is_a_warning(make_checkpoint, caplog) -> None:
+    """int4_w4a8 in a bf16 engine has no kernel on any CPU (only the AVX2 family's fp32 op),
+    so the default op is the reference, which dequantizes every weight at every call: the
+    start-up warns, naming the scheme and why. The result is still the scheme's: equal to
+    the reference layer by layer."""
+    from minivllm.quantization import formats
+
+    with caplog.at_level("INFO", logger="minivllm"):
+        llm = _engine(
+            make_checkpoint("Qwen3ForCausalLM"),
+            dtype="bfloat16",
+            quantization="int4_w4a8",
+            quantization_config=SMALL_GROUPS,
+        )
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        m.startswith("int4_w4a8: ")
+        and "on torch (the plain-PyTorch reference), this CPU's default: " in m
+        for m in warned
+    ), warned
+    method = _layers(llm)["model.layers.0.mlp.down_proj"]
+    assert method.backend == "torch" and method.spec.scheme == "int4_w4a8"
+    layer = llm.llm_engine.executor.runner.model.get_submodule("model.layers.0.mlp.down_proj")
+    x = torch.randn(3, method.quant_weights.in_features).bfloat16()
+    assert torch.equal(
+        method.apply(layer, x, None), formats.reference_linear(x, method.quant_weights)
+    )

@@ -19,6 +19,7 @@ from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.loader.safetensors_loader import iterate_weights
 from minivllm.models.registry import resolve_model_class
+from minivllm.quantization.method import log_backends
 from minivllm.utils import huge_pages
 
 logger = logging.getLogger("minivllm")
@@ -123,6 +124,7 @@ def process_weights_after_loading(
             # the LM head now holds the tied table as bf16 panels: the embedding reads
             # its rows from them (`panel_rows`) rather than keep the fp32 table too
             table.weight = module.weight
+    log_backends(linears)
     if arena.bytes_placed > placed:
         logger.info(
             "quantized weights on huge pages: %.2f GiB (%.2f s; MINIVLLM_HUGE_PAGES=0 skips)",

@@ -57,6 +57,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.packed_op = None  # int8_w8a8's GEMM on its prepacked copy, past a few rows
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
         self.kernel_rows = 0  # rows for quant_linear; past them formats.max_kernel_rows says
+        self.kernel_op = None  # the compiled quant_linear the engine offered, used or not
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
 
@@ -133,6 +134,15 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.quant_weights = qw
 
     @property
+    def op_name(self) -> str:
+        """What runs `apply`, in words, for the log."""
+        if self.fp32_op is not None:
+            return "cpu_kernel (the AVX2 family's linear_quantw, float32 activations)"
+        if self.op is not None:
+            return "cpu_kernel (quant_linear, bfloat16 activations)"
+        return "torch (the plain-PyTorch reference)"
+
+    @property
     def group_size(self) -> int:
         return self.spec.group_size if self.spec.scheme in formats.INT4_SCHEMES else 0
 
@@ -145,6 +155,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             self.backend = "cpu_kernel"
             return
         op = kernels.op("quant_linear")
+        self.kernel_op = op
         usable = (
             op is not None
             and formats.kernel_supports(qw.scheme)
@@ -222,11 +233,43 @@ class QuantizedLinearMethod(LinearMethodBase):
         return rows.view(*ids.shape, qw.in_features)
 
 
+def log_backends(modules: list[nn.Module]) -> None:
+    """One log line per scheme and op: which kernel runs the quantized layers, and whether
+    linear_backend_per_quant asked for it or it is this CPU's default. A default that fell
+    to the plain-PyTorch reference (it dequantizes the whole weight at every call) is a
+    warning that says why."""
+    counts: dict[tuple[str, str, bool], list[QuantizedLinearMethod]] = {}
+    for module in modules:
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, QuantizedLinearMethod) and method.quant_weights is not None:
+            key = (method.spec.scheme, method.op_name, method.requested_backend is not None)
+            counts.setdefault(key, []).append(method)
+    for (scheme, op, asked), methods in sorted(counts.items()):
+        how = "as linear_backend_per_quant asks" if asked else "this CPU's default"
+        if op.startswith("torch") and not asked:
+            qw = methods[0].quant_weights
+            logger.warning(
+                "%s: %d layers on %s, %s: %s",
+                scheme,
+                len(methods),
+                op,
+                how,
+                _why_not(methods[0].kernel_op, qw),
+            )
+        else:
+            logger.info("%s: %d layers on %s, %s", scheme, len(methods), op, how)
+
+
 def _why_not(op: object, qw: formats.QuantWeights) -> str:
     if op is None:
         return (
             "the engine has no compiled kernels for its dtype here (kernels off; a CPU "
             "without AVX2 + FMA for float32, without AVX512-BF16 for bfloat16)"
+        )
+    if qw.scheme == "int4_w4a8":
+        return (
+            "int4_w4a8 has no bfloat16 kernel yet, only the AVX2 family's float32 one "
+            "(dtype='float32' runs it)"
         )
     if not formats.kernel_supports(qw.scheme):
         return "this CPU lacks the instructions it needs (int8_w8a8: AVX512-VNNI)"
