@@ -242,6 +242,26 @@ def test_int4_w4a8_matches_its_reference(avx2, group, symmetric, m):
 
 
 @needs_avx2
+@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("m", [1, 4, 12])
+def test_int4_w4a8_rounds_x_as_the_reference_does(avx2, group, m):
+    """Every x rounded to the same integer as formats.quantize_per_group: at K = 128 the
+    float error bound is ~1e-5 of the sum while one unit of x's rounding moves an output by
+    xs |w_k| (~1e-2 of it). bf16-valued x (few mantissa bits) lands near the .5 boundaries
+    often; 64 draws of each shape (the reference once computed 127 / amax as a reciprocal
+    times 127, two roundings, and every shape here caught it)."""
+    k, n = 128, 16
+    gen = torch.Generator().manual_seed(group + m)
+    qw = formats.quantize(torch.randn(n, k, generator=gen), "int4_w4a8", group, False)
+    for _ in range(64):
+        x = torch.randn(m, k, generator=gen).bfloat16().float()
+        y = avx2.linear_quantw(x, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, None)
+        ref = formats.reference_linear(x, qw).double()
+        bound = _bound(_w4a8_x(x, group), qw, ref, torch.zeros(n)) + 1e-30
+        assert ((y.double() - ref).abs() <= bound).all()
+
+
+@needs_avx2
 @pytest.mark.parametrize("m", [1, 9])
 def test_int4_w4a8_int16_sums_hold_at_their_largest(avx2, m):
     """The int16 lanes at their limit: q = 15 (asymmetric, zero 0) against x at +-127 in

@@ -18,7 +18,7 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.isa import cpu_flags
 from minivllm.quantization import formats
-from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match
+from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match, needs_avx2
 
 PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(9 + 5 * i)] for i in range(3)]
 # hidden 64 and intermediate 128 in the tiny configs: int4 groups of 32 fit every input size
@@ -240,29 +240,61 @@ def test_large_batches_dequantize_like_the_reference(make_checkpoint, quantizati
 
 
 def test_a_default_that_falls_to_the_reference_is_a_warning(make_checkpoint, caplog) -> None:
-    """int4_w4a8 in a bf16 engine has no kernel on any CPU (only the AVX2 family's fp32 op),
-    so the default op is the reference, which dequantizes every weight at every call: the
-    start-up warns, naming the scheme and why. The result is still the scheme's: equal to
-    the reference layer by layer."""
-    from minivllm.quantization import formats
-
+    """With the compiled kernels off (cpu_kernels=False, as on a CPU without them) every
+    scheme's op is the reference, which dequantizes every weight at every call: the
+    start-up warns, naming the scheme and why."""
     with caplog.at_level("INFO", logger="minivllm"):
         llm = _engine(
             make_checkpoint("Qwen3ForCausalLM"),
-            dtype="bfloat16",
             quantization="int4_w4a8",
             quantization_config=SMALL_GROUPS,
+            cpu_kernels=False,
         )
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(
         m.startswith("int4_w4a8: ")
         and "on torch (the plain-PyTorch reference), this CPU's default: " in m
+        and "no compiled kernels" in m
         for m in warned
     ), warned
-    method = _layers(llm)["model.layers.0.mlp.down_proj"]
-    assert method.backend == "torch" and method.spec.scheme == "int4_w4a8"
-    layer = llm.llm_engine.executor.runner.model.get_submodule("model.layers.0.mlp.down_proj")
-    x = torch.randn(3, method.quant_weights.in_features).bfloat16()
-    assert torch.equal(
-        method.apply(layer, x, None), formats.reference_linear(x, method.quant_weights)
+    assert _layers(llm)["model.layers.0.mlp.down_proj"].backend == "torch"
+
+
+@needs_avx2
+def test_int4_w4a8_on_bf16_rows_runs_the_avx2_op_like_the_reference() -> None:
+    """int4_w4a8 has no bf16 kernel: with bf16 activations the method converts the rows to
+    fp32 for the AVX2 family's op, which rounds x as the reference does and sums in fp32
+    before the one rounding to bf16, so it equals the reference up to that rounding."""
+    from minivllm.kernels import get_avx2_kernels
+    from minivllm.quantization import formats
+    from minivllm.quantization.config import SchemeSpec
+    from minivllm.quantization.method import QuantizedLinearMethod
+
+    gen = torch.Generator().manual_seed(0)
+    qw = formats.quantize(torch.randn(40, 256, generator=gen), "int4_w4a8", 64)
+    method = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 64))
+    method.fp32_op, method.quant_weights = get_avx2_kernels().linear_quantw, qw
+    for rows in (1, 5, 12):
+        x = torch.randn(rows, 256, generator=gen).bfloat16()
+        bias = torch.randn(40, generator=gen).bfloat16()
+        got = method.apply(None, x, bias)
+        assert got.dtype == torch.bfloat16
+        ref = formats.reference_linear(x, qw, bias).double()
+        terms = x.double().abs() @ formats.dequantize(qw).double().abs().T
+        # one bf16 rounding of sums that differ in their last fp32 bits: up to one ulp
+        assert ((got.double() - ref).abs() <= 2**-7 * ref.abs() + 2**-16 * terms).all()
+
+
+@needs_kernels
+def test_int4_w4a8_in_a_bf16_engine_takes_the_avx2_op(make_checkpoint) -> None:
+    """A bf16 engine (AVX512-BF16) gives int4_w4a8 the AVX2 family's op, not the reference."""
+    llm = _engine(
+        make_checkpoint("Qwen3ForCausalLM"),
+        dtype="bfloat16",
+        quantization="int4_w4a8",
+        quantization_config=SMALL_GROUPS,
     )
+    method = _layers(llm)["model.layers.0.mlp.down_proj"]
+    assert method.backend == "cpu_kernel" and method.fp32_op is not None
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
+    assert len(out.outputs[0].token_ids) == 3

@@ -291,7 +291,9 @@ def quantize_per_group(x: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
     xf = x.to(torch.float32)
     groups = xf.reshape(*xf.shape[:-1], xf.shape[-1] // group_size, group_size)
     amax = groups.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, INT8_MAX / amax, torch.ones_like(amax))
+    # a true fp32 division, as the kernel's (a Python number over a tensor is computed as
+    # its reciprocal times the number: two roundings)
+    inv = torch.where(amax > 0, torch.full_like(amax, INT8_MAX) / amax, torch.ones_like(amax))
     xs = _amax_scale(amax, INT8_MAX)
     xq = torch.round(groups * inv[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return xq.reshape(xf.shape), xs

@@ -150,6 +150,14 @@ class QuantizedLinearMethod(LinearMethodBase):
         # an fp32 engine on the AVX2 family: the rows are decoded in registers and
         # multiplied in fp32 (int8_w8a8: on its quantized activations, `_apply_fp32`)
         fp32_op = kernels.op("linear_quantw")
+        if fp32_op is None and qw.scheme == "int4_w4a8" and kernels.key is not None:
+            # no bf16 kernel of its own: every CPU with AVX-512 has AVX2 too, so bf16
+            # engines run the AVX2 family's op on rows converted to fp32 (the reference's
+            # numbers: the same rounding of x, fp32 sums rounded once to bf16)
+            from minivllm.kernels import get_avx2_kernels
+
+            avx2 = get_avx2_kernels()
+            fp32_op = None if avx2 is None else avx2.linear_quantw
         if fp32_op is not None and self.requested_backend != "torch":
             self.fp32_op, self.op = fp32_op, None
             self.backend = "cpu_kernel"
@@ -177,6 +185,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         rows = x.reshape(-1, x.shape[-1])
         if self.fp32_op is not None and x.dtype == torch.float32:
             return self._apply_fp32(rows, qw, bias).view(*x.shape[:-1], qw.out_features)
+        if self.fp32_op is not None and qw.scheme == "int4_w4a8":  # a bf16 engine (above)
+            out = self._apply_fp32(rows.float(), qw, None if bias is None else bias.float())
+            return out.to(x.dtype).view(*x.shape[:-1], qw.out_features)
         if self.op is None or x.dtype != torch.bfloat16:
             return formats.reference_linear(x, qw, bias)
         if rows.shape[0] <= self.kernel_rows:
@@ -265,11 +276,6 @@ def _why_not(op: object, qw: formats.QuantWeights) -> str:
         return (
             "the engine has no compiled kernels for its dtype here (kernels off; a CPU "
             "without AVX2 + FMA for float32, without AVX512-BF16 for bfloat16)"
-        )
-    if qw.scheme == "int4_w4a8":
-        return (
-            "int4_w4a8 has no bfloat16 kernel yet, only the AVX2 family's float32 one "
-            "(dtype='float32' runs it)"
         )
     if not formats.kernel_supports(qw.scheme):
         return "this CPU lacks the instructions it needs (int8_w8a8: AVX512-VNNI)"
