@@ -30,7 +30,7 @@ PROMPTS = [
     "Dear Sir or Madam,",
     "The weather today is",
 ]
-SCHEMES = ("int8_w8a16", "int8_w8a8", "fp8_w8a16", "int4_w4a16")
+SCHEMES = ("int8_w8a16", "int8_w8a8", "fp8_w8a16", "int4_w4a16", "int4_w4a8")
 
 
 def main() -> None:
