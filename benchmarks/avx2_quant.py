@@ -46,6 +46,7 @@ def variants(ops, shapes, gen, copies):
         ("int8", "int8_w8a16"),
         ("int4 g128", "int4_w4a16"),
         ("fp8", "fp8_w8a16"),
+        ("int4 g128 w4a8", "int4_w4a8"),
     ]:
         qws = [[formats.quantize(w, scheme) for w in copy] for copy in weights]
         out[label] = (
