@@ -516,7 +516,9 @@ inline float int8_group_scale(const float* src, int64_t n, float* inv) {
   std::memcpy(&amax, &bits, sizeof amax);
   if (bits >= 0x7F800000u) return *inv = 0.f, std::numeric_limits<float>::quiet_NaN();
   if (bits == 0) return *inv = 0.f, 1.f;
-  *inv = 127.f / amax;
+  // the reference's fp32 division, one rounding: the builtin keeps -ffast-math from
+  // turning it into 127 times a reciprocal (two roundings), which moves x's rounding
+  *inv = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(127.f), _mm_set_ss(amax)));
   return amax / 127.f;
 }
 
