@@ -150,7 +150,8 @@ class QuantizedLinearMethod(LinearMethodBase):
         # an fp32 engine on the AVX2 family: the rows are decoded in registers and
         # multiplied in fp32 (int8_w8a8: on its quantized activations, `_apply_fp32`)
         fp32_op = kernels.op("linear_quantw")
-        if fp32_op is None and qw.scheme == "int4_w4a8" and kernels.key is not None:
+        cpu = kernels.key is not None and kernels.key.device == "cpu"
+        if fp32_op is None and qw.scheme == "int4_w4a8" and cpu:
             # no bf16 kernel of its own: every CPU with AVX-512 has AVX2 too, so bf16
             # engines run the AVX2 family's op on rows converted to fp32 (the reference's
             # numbers: the same rounding of x, fp32 sums rounded once to bf16)
