@@ -79,7 +79,7 @@ class _ReferenceLinear(torch.nn.Module):
         return formats.reference_linear(x, self.qw, self.bias)
 
 
-def _quantized_copy(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
+def _on_scheme_references(model: torch.nn.Module, scheme: str) -> torch.nn.Module:
     """`model` with every linear layer but the LM head on `scheme`'s reference, in place."""
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
@@ -103,7 +103,7 @@ def kl_to_bf16(model_dir: str, schemes: list[str], inputs: torch.Tensor) -> dict
     base = logprobs(load().eval())
     out = {}
     for scheme in schemes:
-        lq = logprobs(_quantized_copy(load().eval(), scheme))
+        lq = logprobs(_on_scheme_references(load().eval(), scheme))
         out[scheme] = float((base.exp() * (base - lq)).sum(-1).mean())
     return out
 

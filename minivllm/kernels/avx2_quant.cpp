@@ -214,7 +214,7 @@ inline uint32_t magnitude_bits(const float* src, int64_t n) {
 // down to 32) in blocks of `block` k, block b of row m as q[m kv + k] * scale[m blocks + b]
 // with scale a power of two, amax / 32767 <= scale < 2 amax / 32767 (at least 2^-126; 1
 // for a block of zeros, NaN for one holding an inf or NaN, so that it reaches the
-// output); sum: each block's sum of q, zterm: that times the block's scale (int4's zero-point term). Order within each 64 k
+// output); zterm: each block's sum of q times its scale (int4's zero-point term). Order within each 64 k
 // (blocks a multiple of 64), as the unit reads its weights: `pair`, the eight 8-k pieces
 // as 0 4 1 5 2 6 3 7 (Int4Pair's); `words`, four vectors of 16 whose lane i < 8 holds k
 // 2i, 16 + 2i, 2i + 1, 17 + 2i and lane 8 + i the same plus 32 (Int4Words' nibbles).
@@ -222,15 +222,13 @@ enum class XOrder { natural, pair, words };
 struct XInt16 {
   std::vector<int16_t> q;
   std::vector<float> scale;
-  std::vector<int32_t> sum;
-  std::vector<float> zterm;  // int4: scale * sum per block, the zero point's factor
+  std::vector<float> zterm;  // int4: scale * sum of q per block, the zero point's factor
   int64_t kv, block, blocks;
 
   XInt16(const float* x, int64_t M, int64_t K, int64_t block_k, XOrder order)
       : kv(K & ~int64_t(31)), block(block_k), blocks((kv + block_k - 1) / block_k) {
     q.resize(M * kv);
     scale.resize(M * blocks);
-    sum.resize(M * blocks);
     zterm.resize(M * blocks);
     for (int64_t m = 0; m < M; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
@@ -260,11 +258,7 @@ struct XInt16 {
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.data() + m * kv + k),
                               _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
         }
-        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
-        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
-        sum[m * blocks + b] = _mm_cvtsi128_si32(u);
-        zterm[m * blocks + b] = s * static_cast<float>(sum[m * blocks + b]);
+        zterm[m * blocks + b] = s * static_cast<float>(hsum8_epi32(total));
       }
       int16_t* row = q.data() + m * kv;
       for (int64_t k = 0; order != XOrder::natural && k < kv; k += 64) {
@@ -558,11 +552,8 @@ struct XInt8 {
           _mm_storeu_si128(reinterpret_cast<__m128i*>(row + base + 16 * half), _mm256_castsi256_si128(b8));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(row + base + 32 + 16 * half), _mm256_extracti128_si256(b8, 1));
         }
-        __m128i u = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
-        u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1));
         scale[m * groups + g] = s;
-        zterm[m * groups + g] = s * static_cast<float>(_mm_cvtsi128_si32(u));
+        zterm[m * groups + g] = s * static_cast<float>(hsum8_epi32(total));
       }
     }
   }

@@ -30,7 +30,7 @@ from typing import Any
 from minivllm.utils.json_config import config_dict
 
 SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "int4_w4a8", "fp8_w8a16")
-INT4_SCHEMES = ("int4_w4a16", "int4_w4a8")
+INT4_SCHEMES = ("int4_w4a16", "int4_w4a8")  # the same weights; w4a8 rounds x to int8 too
 SHORTHANDS = {"int8": "int8_w8a16", "int4": "int4_w4a16", "fp8": "fp8_w8a16"}
 QUANTIZATION_METHODS = ("online", *SHORTHANDS, *SCHEMES)
 BACKENDS = ("cpu_kernel", "torch")

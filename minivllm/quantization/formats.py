@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "int4_w4a8", "fp8_w8a16")
-INT4_SCHEMES = ("int4_w4a16", "int4_w4a8")  # the same weights; w4a8 rounds x to int8 too
+# the scheme names live in config.py (no torch there); INT4_SCHEMES share one weight layout
+from minivllm.quantization.config import INT4_SCHEMES, SCHEMES
 
 # the `kind` argument of the compiled `quant_linear`
 KIND_INT8_W8A16 = 1
@@ -329,8 +329,8 @@ def reference_linear(x: Tensor, qw: QuantWeights, bias: Tensor | None = None) ->
 
 def kernel_supports(scheme: str) -> bool:
     """Whether this CPU runs `scheme`'s bf16 kernel (quant_linear): AVX512-BF16, and
-    AVX512-VNNI for int8_w8a8. int4_w4a8 has none yet (only the AVX2 family's fp32 op):
-    bf16 engines run its reference."""
+    AVX512-VNNI for int8_w8a8. int4_w4a8 has none (bf16 engines borrow the AVX2 family's
+    fp32 op for it, `QuantizedLinearMethod.choose_backend`)."""
     from minivllm.kernels.isa import cpu_flags, cpu_has_avx512_bf16
 
     if scheme not in SCHEMES or scheme == "int4_w4a8":
