@@ -2,9 +2,10 @@
 replace (RMSNorm, RMSNorm with the residual add, a per-head RMSNorm, SiLU-and-mul), at the
 0.6B shape's sizes, 1 and 32 rows; and one layer's paged decode attention (16 query heads,
 8 KV heads of 128, one request) at contexts 192, 1024 and 4096 against the plain-PyTorch
-backend, the caches cycled through so they stream from memory.
+backend, the caches cycled through so they stream from memory, for each KV-cache dtype
+the kernel reads (fp32, bf16, fp8 e4m3).
 
-    python benchmarks/avx2_ops.py            # on any AVX2 CPU
+    python benchmarks/avx2_ops.py [--attention-only]      # on any AVX2 CPU
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ def per_call_us(fn, reps: int = 2000) -> float:
 
 
 def main() -> None:
+    import sys
+
     torch.set_num_threads(2)
     ops = get_avx2_kernels()
     if ops is None:
         raise SystemExit("no AVX2 kernels on this machine")
     print(f"{cpu_model()} [{isa_summary()}], 2 threads; microseconds per call")
-    for rows in (1, 32):
-        measure(ops, rows)
+    if "--attention-only" not in sys.argv:
+        for rows in (1, 32):
+            measure(ops, rows)
     for context in (192, 1024, 4096):
         attention(ops, context)
 
@@ -64,9 +68,9 @@ def measure(ops, rows: int) -> None:
 def attention(ops, context: int, heads: int = 16, kv_heads: int = 8, dim: int = 128) -> None:
     from types import SimpleNamespace
 
-    from minivllm.layers.attention.torch_backend import TorchAttentionBackend
+    from minivllm.layers.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
 
-    block, copies = 16, max(2, 96 // (context // 128))  # ~100 MB of caches or more
+    block, copies = 16, max(2, 96 // (context // 128))  # ~100 MB of fp32 caches or more
     blocks = context // block
     caches = [torch.randn(2, kv_heads, blocks, block, dim) for _ in range(copies)]
     q = torch.randn(1, heads, dim)
@@ -83,17 +87,19 @@ def attention(ops, context: int, heads: int = 16, kv_heads: int = 8, dim: int = 
     def plain():
         backend.decode(layer, q, caches[next(turn) % copies], meta, out)
 
-    def kernel():
-        c = caches[next(turn) % copies]
-        ops.paged_attention_decode(q, c[0], c[1], tables, lens, layer.scale, 0)
-
     reps = max(20, 4000 // (context // 64))
-    a, b = per_call_us(plain, reps), per_call_us(kernel, reps)
-    rate = 2 * kv_heads * context * dim * 4 / b / 1e3  # GB/s of the K and V read
-    print(
-        f"decode attention, context {context:>4}: plain {a:7.1f}  avx2 {b:7.1f} us "
-        f"({a / b:.1f}x; {rate:.1f} GB/s of KV)"
-    )
+    a = per_call_us(plain, reps)
+    print(f"decode attention, context {context:>4}: plain {a:7.1f} us; avx2 by KV-cache dtype:")
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        stored = [to_cache_dtype(c, dtype) for c in caches]
+
+        def kernel(stored=stored):
+            c = stored[next(turn) % copies]
+            ops.paged_attention_decode(q, c[0], c[1], tables, lens, layer.scale, 0)
+
+        b = per_call_us(kernel, reps)
+        rate = 2 * kv_heads * context * dim * dtype.itemsize / b / 1e3  # GB/s of K and V
+        print(f"  {str(dtype)[6:]:>14} {b:7.1f} us ({a / b:.1f}x plain; {rate:.1f} GB/s of KV)")
 
 
 if __name__ == "__main__":

@@ -56,17 +56,40 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
+# vLLM's kv_cache_dtype values minivllm takes: "auto" keeps the model's dtype; "fp8" is
+# e4m3, stored unscaled (vLLM's k_scale = v_scale = 1.0 when a checkpoint carries none).
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.cache_dtype!r}"
+            )
+
+    def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the paged KV cache stores."""
+        import torch
+
+        return {
+            "auto": model_dtype,
+            "bfloat16": torch.bfloat16,
+            "fp8": torch.float8_e4m3fn,
+            "fp8_e4m3": torch.float8_e4m3fn,
+            "fp8_e5m2": torch.float8_e5m2,
+        }[self.cache_dtype]
 
 
 @dataclass(frozen=True)

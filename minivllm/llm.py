@@ -22,7 +22,7 @@ class LLM:
 
     Keyword arguments are vLLM's: `dtype`, `seed`, `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `block_size`, `kv_cache_memory_bytes`,
-    `enable_prefix_caching`, `trust_remote_code`, `device`, `tensor_parallel_size`
+    `kv_cache_dtype`, `enable_prefix_caching`, `trust_remote_code`, `device`, `tensor_parallel_size`
     (with `nnodes` and `distributed_init_method` for several hosts),
     `enforce_eager` (every step layer by layer), and minivllm's own `cpu_kernels` and
     `attention_backend`. Unknown keywords raise `TypeError` naming them.

@@ -20,6 +20,8 @@ config.json["quantization_config"] (keys sorted; per-scheme "weights" shown):
     type "int", symmetric true, strategy "token", dynamic true, group_size null}.
   - int4_w4a16 -> fmt "pack-quantized"; weights {num_bits 4, int, strategy "group",
     group_size G, symmetric true|false}.
+  - int4_w4a8 (W4A8) -> fmt "int-quantized" (not packed: activations are quantized);
+    weights as int4_w4a16's, input_activations as int8_w8a8's.
   - fp8_w8a16 -> fmt "naive-quantized" (library inference for float weight-only; pass
     format="float-quantized" to get that name instead - identical tensors); weights
     {num_bits 8, type "float", symmetric true, strategy "channel"}. Treat
@@ -27,6 +29,8 @@ config.json["quantization_config"] (keys sorted; per-scheme "weights" shown):
 Tensors per quantized Linear `P` (safetensors; N=out_features, K=in_features, G=group):
   int-/float-/naive-quantized: P.weight int8 [N,K] (fp8: float8_e4m3fn [N,K]),
     P.weight_scale bf16 [N,1]. No zero point, no input_scale (dynamic activations).
+    W4A8: P.weight int8 [N,K] holding q in [-8, 7], P.weight_scale [N,K/G]; asym adds
+    P.weight_zero_point int8 [N,K/G], unpacked.
   pack-quantized: P.weight_packed int32 [N, ceil(K*b/32)], P.weight_scale bf16 [N,1]
     (channel) or [N,K/G] (group), P.weight_shape int64 [2] = [N,K];
     asym only: P.weight_zero_point int32 [ceil(N*b/32), K/G] (packed along dim 0!).
@@ -67,7 +71,7 @@ import torch
 
 from tests.conftest import TINY
 
-SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "fp8_w8a16")
+SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "int4_w4a8", "fp8_w8a16")
 # conftest's tiny shape, with head_dim 32 (Qwen3's) and an untied LM head
 TINY_QWEN3 = {**TINY, "head_dim": 32, "vocab_size": 256, "tie_word_embeddings": False}
 
@@ -80,7 +84,7 @@ def _quant_scheme(scheme: str, group_size: int, asymmetric: bool, format: str | 
     )
     if scheme in ("int8_w8a16", "int8_w8a8"):
         w = QuantizationArgs(num_bits=8, type="int", strategy="channel", symmetric=True)
-    elif scheme == "int4_w4a16":
+    elif scheme in ("int4_w4a16", "int4_w4a8"):
         w = QuantizationArgs(
             num_bits=4,
             type="int",
@@ -96,7 +100,7 @@ def _quant_scheme(scheme: str, group_size: int, asymmetric: bool, format: str | 
         targets=["Linear"],
         weights=w,
         format=format,
-        input_activations=int_act if scheme == "int8_w8a8" else None,
+        input_activations=int_act if scheme in ("int8_w8a8", "int4_w4a8") else None,
     )
 
 
@@ -155,7 +159,7 @@ def make_compressed_checkpoint(
     ignore = list(ignore)
     if not quantize_lm_head and "lm_head" not in ignore:
         ignore.append("lm_head")
-    if scheme == "int4_w4a16" and group_size is None:
+    if scheme in ("int4_w4a16", "int4_w4a8") and group_size is None:
         ks = [m.in_features for m in model.modules() if isinstance(m, torch.nn.Linear)]
         group_size = 128 if all(k % 128 == 0 for k in ks) else 32
     group = _quant_scheme(scheme, group_size or 128, asymmetric, format)
@@ -198,8 +202,10 @@ def dequantize_reference(tensors: dict, prefix: str, qcfg: dict) -> torch.Tensor
         q = tensors[prefix + ".weight"]
     zp = torch.zeros_like(scale)
     if prefix + ".weight_zero_point" in tensors:
-        zpw = tensors[prefix + ".weight_zero_point"]  # packed along dim 0
-        zp = _unpack(zpw.t(), wa["num_bits"], scale.shape[0]).t()
+        zpw = tensors[prefix + ".weight_zero_point"]  # packed along dim 0, or int8 as is
+        zp = (
+            zpw if zpw.dtype == torch.int8 else _unpack(zpw.t(), wa["num_bits"], scale.shape[0]).t()
+        )
     if wa["strategy"] == "group":
         scale = scale.repeat_interleave(wa["group_size"], dim=-1)
         zp = zp.repeat_interleave(wa["group_size"], dim=-1)

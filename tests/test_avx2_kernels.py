@@ -77,14 +77,20 @@ def test_linear_bf16w_rejects_bad_shapes(avx2):
 @needs_avx2
 @pytest.mark.parametrize("head_dim,num_heads,num_kv_heads", [(64, 4, 2), (80, 6, 1), (128, 8, 8)])
 @pytest.mark.parametrize("window", [0, 5])
+@pytest.mark.parametrize(
+    "cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 def test_avx2_decode_attention_matches_the_torch_backend(
-    avx2, head_dim, num_heads, num_kv_heads, window
+    avx2, head_dim, num_heads, num_kv_heads, window, cache_dtype
 ):
-    from minivllm.layers.attention.torch_backend import TorchAttentionBackend
+    """Against the torch backend's decode on the same cache (kv_cache_dtype: fp32, bf16 or
+    fp8, which both widen to fp32 as they read)."""
+    from minivllm.layers.attention.torch_backend import TorchAttentionBackend, to_cache_dtype
 
     gen = torch.Generator().manual_seed(head_dim + window)
     block_size, num_blocks = 16, 12
     cache = torch.randn(2, num_kv_heads, num_blocks, block_size, head_dim, generator=gen)
+    cache = to_cache_dtype(cache, cache_dtype)
     # 0: a row with nothing to attend to; 12 and 27: chunks of 9-15 tokens (a partial second half)
     seq_lens = torch.tensor([1, 7, 12, 16, 17, 27, 40, 0])
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:3] for _ in seq_lens])

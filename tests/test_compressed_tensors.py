@@ -65,7 +65,10 @@ def _oracle_logprobs(path: str, online: dict[str, tuple] | None = None):
     config = AutoConfig.from_pretrained(path)
     del config.quantization_config
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    w8a8 = next(iter(qcfg["config_groups"].values())).get("input_activations") is not None
+    group = next(iter(qcfg["config_groups"].values()))
+    w8a8 = group.get("input_activations") is not None
+    # int4 W4A8 runs as int4_w4a8: activations rounded per token and weight group
+    act_group = group["weights"]["group_size"] if group["weights"]["num_bits"] == 4 else None
     state = {}
     for name, module in hf.named_modules():
         if not isinstance(module, torch.nn.Linear):
@@ -76,16 +79,24 @@ def _oracle_logprobs(path: str, online: dict[str, tuple] | None = None):
             weight = formats.dequantize(formats.quantize(weight, scheme, group, symmetric))
         state[name + ".weight"] = weight
         if w8a8 and name + ".weight_scale" in tensors:
-            module.register_forward_pre_hook(lambda _m, args: (_per_token_round_trip(args[0]),))
+            module.register_forward_pre_hook(
+                lambda _m, args: (_per_token_round_trip(args[0], act_group),)
+            )
     state |= {k: v.float() for k, v in tensors.items() if "weight_" not in k and k not in state}
     hf.load_state_dict(state, strict=True)
     return hf
 
 
-def _per_token_round_trip(x: torch.Tensor) -> torch.Tensor:
-    scale = x.abs().amax(-1, keepdim=True) / 127
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return torch.clamp(torch.round(x / scale), -127, 127) * scale
+def _per_token_round_trip(x: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """x rounded to int8 per token (per token and group of `group` k) and back."""
+    groups = x if group is None else x.unflatten(-1, (-1, group))
+    amax = groups.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax == 0, torch.ones_like(amax), amax / 127)
+    if group is None:
+        return torch.clamp(torch.round(groups / scale), -127, 127) * scale
+    # int4_w4a8 rounds x * (127 / amax), one fp32 division then a product
+    inv = torch.where(amax == 0, torch.ones_like(amax), torch.full_like(amax, 127) / amax)
+    return (torch.clamp(torch.round(groups * inv), -127, 127) * scale).flatten(-2)
 
 
 def _compare(llm: LLM, hf) -> None:
@@ -103,6 +114,8 @@ def _compare(llm: LLM, hf) -> None:
         ("int8_w8a8", {}),
         ("int4_w4a16", {}),
         ("int4_w4a16", {"asymmetric": True}),
+        ("int4_w4a8", {}),
+        ("int4_w4a8", {"asymmetric": True}),
         ("fp8_w8a16", {}),
     ],
 )

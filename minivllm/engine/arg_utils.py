@@ -43,6 +43,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     block_size: int | None = None  # 128 on CPU (as vLLM's CPU backend), 16 on CUDA
     kv_cache_memory_bytes: int | None = None
+    # what the paged KV cache stores (config.KV_CACHE_DTYPES); "auto": the model's dtype
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
     device: str = "auto"
@@ -119,7 +121,12 @@ class EngineArgs:
         lookahead = speculative.num_speculative_tokens if speculative and speculative.model else 0
         return EngineConfig(
             model=model,
-            cache=CacheConfig(block_size, self.kv_cache_memory_bytes, self.enable_prefix_caching),
+            cache=CacheConfig(
+                block_size,
+                self.kv_cache_memory_bytes,
+                self.enable_prefix_caching,
+                self.kv_cache_dtype,
+            ),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len, lookahead),
             parallel=ParallelConfig(
                 self.tensor_parallel_size,

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import re
 
+from minivllm.config import KV_CACHE_DTYPES
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.quantization.config import QUANTIZATION_METHODS
 
@@ -113,6 +114,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=byte_size,
         default=d["kv_cache_memory_bytes"],
         help="KV cache size, e.g. 8MiB or 4G (default: a share of free memory)",
+    )
+    cache.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=d["kv_cache_dtype"],
+        help="what the KV cache stores: auto (the model's dtype), bfloat16 (half an fp32 "
+        "engine's cache), fp8 / fp8_e4m3 or fp8_e5m2 (unscaled; a quarter) "
+        "(default: %(default)s)",
     )
     cache.add_argument(
         "--enable-prefix-caching",

@@ -17,6 +17,8 @@
 #include <torch/extension.h>
 
 #include <cstring>
+#include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "avx2_api.h"
@@ -28,15 +30,58 @@ c10::optional<torch::Tensor> maybe(const torch::Tensor& t) {
   return t;
 }
 
-// cache: [2, Hkv, num_blocks, block_size, D] fp32; src: T rows of Hkv heads, row stride
-// `row_stride`, each head's D values contiguous.
+// One value as a cache of type T stores it, as torch's `to` rounds it (to nearest even);
+// fp8 saturates at its largest finite value first, as the torch backend's to_cache_dtype.
+template <class T>
+inline T to_cache(float x) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return c10::BFloat16(x);
+  } else {
+    const float top = static_cast<float>(std::numeric_limits<T>::max());
+    return T(x < -top ? -top : (x > top ? top : x));  // NaN stays NaN
+  }
+}
+
+template <class C>
+void write_rows(C* base, const float* src, int64_t row_stride, const int64_t* slots, int64_t rows, int64_t Hkv,
+                int64_t slots_per_head, int64_t D) {
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const float* from = src + t * row_stride + h * D;
+      C* to = base + (h * slots_per_head + slots[t]) * D;
+      if constexpr (std::is_same_v<C, float>)
+        std::memcpy(to, from, D * sizeof(float));
+      else
+        for (int64_t d = 0; d < D; ++d) to[d] = to_cache<C>(from[d]);
+    }
+}
+
+// cache: [2, Hkv, num_blocks, block_size, D] fp32, bf16, fp8 e4m3 or e5m2; src: T rows of
+// Hkv heads, row stride `row_stride`, each head's D values contiguous.
 void write_cache(torch::Tensor& cache, int which, const float* src, int64_t row_stride, const int64_t* slots,
                  int64_t T, int64_t Hkv, int64_t D) {
   const int64_t slots_per_head = cache.size(2) * cache.size(3);
-  float* base = cache.data_ptr<float>() + which * Hkv * slots_per_head * D;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < Hkv; ++h)
-      std::memcpy(base + (h * slots_per_head + slots[t]) * D, src + t * row_stride + h * D, D * sizeof(float));
+  const int64_t offset = which * Hkv * slots_per_head * D;
+  switch (cache.scalar_type()) {
+    case at::kFloat:
+      return write_rows(cache.data_ptr<float>() + offset, src, row_stride, slots, T, Hkv, slots_per_head, D);
+    case at::kBFloat16:
+      return write_rows(cache.data_ptr<c10::BFloat16>() + offset, src, row_stride, slots, T, Hkv, slots_per_head,
+                        D);
+    case at::kFloat8_e4m3fn:
+      return write_rows(cache.data_ptr<c10::Float8_e4m3fn>() + offset, src, row_stride, slots, T, Hkv,
+                        slots_per_head, D);
+    case at::kFloat8_e5m2:
+      return write_rows(cache.data_ptr<c10::Float8_e5m2>() + offset, src, row_stride, slots, T, Hkv,
+                        slots_per_head, D);
+    default:
+      TORCH_CHECK(false, "kv cache: float32, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.scalar_type());
+  }
+}
+
+bool cache_dtype_ok(const torch::Tensor& cache) {
+  const auto t = cache.scalar_type();
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
 }
 
 // x: T rows of H heads (row stride `row_stride`, each head's D values contiguous), rotated
@@ -108,10 +153,10 @@ void avx2_rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor
 }
 
 // k, v: [T, Hkv, D] fp32 (rows may be strided views into the fused qkv output) into a
-// layer's cache [2, Hkv, NB, BS, D] at slots [T].
+// layer's cache [2, Hkv, NB, BS, D] at slots [T], rounded to the cache's dtype.
 void avx2_write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous() && kv_cache.dim() == 5,
-              "kv_cache: contiguous float32 [2, Hkv, NB, BS, D]");
+  TORCH_CHECK(cache_dtype_ok(kv_cache) && kv_cache.is_contiguous() && kv_cache.dim() == 5,
+              "kv_cache: contiguous [2, Hkv, NB, BS, D] of float32, bfloat16 or fp8");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
   const int64_t T = k.size(0), Hkv = kv_cache.size(1), D = kv_cache.size(4);
   for (const auto& t : {k, v}) {
@@ -148,9 +193,9 @@ torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (const auto& cache : kv_caches)
-    TORCH_CHECK(cache.scalar_type() == at::kFloat && cache.is_contiguous() && cache.dim() == 5 &&
+    TORCH_CHECK(cache_dtype_ok(cache) && cache.is_contiguous() && cache.dim() == 5 &&
                     cache.size(1) == num_kv_heads && cache.size(4) == D,
-                "kv caches: contiguous float32 [2, Hkv, NB, BS, D]");
+                "kv caches: contiguous [2, Hkv, NB, BS, D] of float32, bfloat16 or fp8");
   check_indices(slots, B, kv_caches.empty() ? 0 : kv_caches[0].size(2) * kv_caches[0].size(3), "slot");
   const int64_t* pos = check_rotary(positions, cos, sin, B, D);
   torch::Tensor h, residual;

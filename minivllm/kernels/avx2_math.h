@@ -46,4 +46,23 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// MXCSR's DAZ (bit 6) and FTZ (bit 15) cleared while alive, restored after.
+class KeepSubnormals {
+ public:
+  KeepSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~((1u << 6) | (1u << 15))); }
+  ~KeepSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+};
+
+// 8 e4m3 bytes at p as fp32 (avx2_quant.cpp's header says how; their subnormals need
+// KeepSubnormals alive in the calling thread).
+inline __m256 fp8x8(const uint8_t* p) {
+  const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(0x07F00000));
+  const __m256i sign = _mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
+}
+
 }  // namespace

@@ -61,25 +61,8 @@ namespace {
 
 constexpr int64_t KIND_INT8 = 1, KIND_INT4 = 2, KIND_FP8 = 3, KIND_INT4_A8 = 5;  // formats.KERNEL_KIND
 
-// MXCSR's DAZ (bit 6) and FTZ (bit 15) cleared while alive, restored after.
-class KeepSubnormals {
- public:
-  KeepSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~((1u << 6) | (1u << 15))); }
-  ~KeepSubnormals() { _mm_setcsr(saved_); }
-
- private:
-  unsigned saved_;
-};
-
 inline __m256 int8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-inline __m256 fp8x8(const uint8_t* p) {
-  const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(0x07F00000));
-  const __m256i sign = _mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
 }
 
 inline float fp8_scalar(uint8_t b) {

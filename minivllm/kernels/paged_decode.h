@@ -14,7 +14,8 @@
 namespace paged_decode {
 
 // The shapes of a decode call: q [B, Hq, D]; caches [Hkv, NB, BS, D]; block_tables
-// [B, max_blocks] int64; seq_lens [B] int64. `check` validates them (dtype, contiguity,
+// [B, max_blocks] int64; seq_lens [B] int64. `check` validates them (dtypes: q's, and the
+// caches' where they store another (avx2_attention.cpp's); contiguity,
 // head_dim a multiple of `head_multiple` up to 256, Hq a multiple of Hkv) and makes the
 // tables contiguous in place.
 struct Shape {
@@ -22,9 +23,10 @@ struct Shape {
 
   static Shape check(torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                      torch::Tensor& block_tables, torch::Tensor& seq_lens, at::ScalarType dtype,
-                     int64_t head_multiple) {
-    TORCH_CHECK(q.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-                "q and the caches must be ", dtype);
+                     int64_t head_multiple, c10::optional<at::ScalarType> cache_dtype = c10::nullopt) {
+    const at::ScalarType cached = cache_dtype.value_or(dtype);
+    TORCH_CHECK(q.scalar_type() == dtype, "q must be ", dtype);
+    TORCH_CHECK(k_cache.scalar_type() == cached && v_cache.scalar_type() == cached, "the caches must be ", cached);
     TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables");
     q = q.contiguous();
     block_tables = block_tables.contiguous();

@@ -91,16 +91,21 @@ class DescribesDecoderStack(Protocol):
 
 
 def why_not_fused(
-    parts: DecoderStackParts, backend: AttentionBackend, fp32: bool = False
+    parts: DecoderStackParts,
+    backend: AttentionBackend,
+    fp32: bool = False,
+    kv_dtype: torch.dtype | None = None,
 ) -> str | None:
     """None if every part is on the kernel path, else the first reason it is not.
     `fp32`: for the AVX2 family's step (Avx2FusedDecode), whose linears are bf16 panels or
-    linear_quantw's schemes."""
+    linear_quantw's schemes. `kv_dtype`: what the KV cache stores (None: the engine's dtype)."""
     rotary = parts.layers[0].rotary
     if type(rotary) is not RotaryEmbedding or not rotary.uses_kernels:
         return "the rotary embedding is not the neox kernel's"
     if not isinstance(backend, CpuAttentionBackend):
         return f"the {backend.name} attention backend has no fused step"
+    if kv_dtype is not None and not backend.supports_cache_dtype(kv_dtype):
+        return f"the decode kernels do not read a {str(kv_dtype).removeprefix('torch.')} KV cache"
     eps = {parts.final_norm.eps}
     for layer in parts.layers:
         if layer.rotary is not rotary:
@@ -283,10 +288,14 @@ class FusedLlamaDecode(_DecodeStep):
 
     @classmethod
     def build(
-        cls, model: nn.Module, kernels: Kernels, backend: AttentionBackend
+        cls,
+        model: nn.Module,
+        kernels: Kernels,
+        backend: AttentionBackend,
+        kv_dtype: torch.dtype | None = None,
     ) -> tuple[FusedLlamaDecode | Avx2FusedDecode | None, str]:
         """The fused path for `model` and "on", or None and the reason it is off: the bf16
-        family's step, or the AVX2 family's (fp32 engines)."""
+        family's step, or the AVX2 family's (fp32 engines). `kv_dtype`: the KV cache's."""
         op = kernels.op("llama_decode_layers")
         fp32_op = kernels.op("avx2_decode_layers")
         if op is None and fp32_op is None:
@@ -294,7 +303,7 @@ class FusedLlamaDecode(_DecodeStep):
         if not isinstance(model, DescribesDecoderStack):
             return None, f"{type(model).__name__} does not describe its decoder layers"
         parts = model.decoder_stack_parts()
-        reason = why_not_fused(parts, backend, fp32=op is None)
+        reason = why_not_fused(parts, backend, fp32=op is None, kv_dtype=kv_dtype)
         if reason is not None:
             return None, reason
         return (cls(parts, op) if op is not None else Avx2FusedDecode(parts, fp32_op)), "on"

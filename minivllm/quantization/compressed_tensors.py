@@ -7,7 +7,9 @@ That is what llm-compressor writes and vLLM loads: config.json carries a
 in full precision). The on-disk tensors of a quantized layer, per format:
 
 - int-, naive- or float-quantized (int8 W8A8; fp8 e4m3 per channel): `weight` int8
-  or float8_e4m3fn [N, K] and `weight_scale` [N, 1]; w = q * scale.
+  or float8_e4m3fn [N, K] and `weight_scale` [N, 1]; w = q * scale. int4 W4A8 is
+  int-quantized too: `weight` int8 [N, K] holding q in [-8, 7], `weight_scale` [N, K/G],
+  and when asymmetric `weight_zero_point` int8 [N, K/G], unpacked.
 - pack-quantized (every int weight-only scheme, int8 included): `weight_packed` int32
   [N, K*b/32] (element i in bits [i*b, i*b+b) of the words, stored as q + 2^(b-1)),
   `weight_scale` [N, 1] (per channel) or [N, K/G] (int4 groups), `weight_shape` [2];
@@ -32,7 +34,8 @@ from minivllm.quantization.config import SchemeSpec
 _FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _SUPPORTED = (
     "int8 weights per channel (symmetric), activations unquantized or dynamic per-token int8; "
-    "int4 weights in groups; fp8 e4m3 weights per channel"
+    "int4 weights in groups, activations unquantized or dynamic per-token int8; "
+    "fp8 e4m3 weights per channel"
 )
 
 
@@ -155,10 +158,14 @@ def _scheme_of(name: str, group: dict[str, Any]) -> SchemeSpec:
             return SchemeSpec("int8_w8a16")
         if dynamic_token_int8:
             return SchemeSpec("int8_w8a8")
-    if kind == "int" and bits == 4 and strategy == "group" and acts is None:
+    if kind == "int" and bits == 4 and strategy == "group" and (acts is None or dynamic_token_int8):
         group_size = weights.get("group_size")
         if isinstance(group_size, int) and group_size >= 32 and group_size % 32 == 0:
-            return SchemeSpec("int4_w4a16", group_size, bool(symmetric))
+            # W4A8 (llm-compressor's preset: int8 activations per token) runs as our
+            # int4_w4a8, whose activation scales are per token and weight group: finer
+            # than the checkpoint asks, at no cost to the kernel (formats.quantize_per_group)
+            scheme = "int4_w4a16" if acts is None else "int4_w4a8"
+            return SchemeSpec(scheme, group_size, bool(symmetric))
     if kind == "float" and bits == 8 and strategy == "channel" and symmetric and acts is None:
         return SchemeSpec("fp8_w8a16")
     raise ValueError(

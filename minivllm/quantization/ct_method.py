@@ -36,7 +36,7 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
         self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
     ) -> None:
         spec = self.spec
-        grouped = spec.scheme == "int4_w4a16"
+        grouped = spec.scheme in formats.INT4_SCHEMES
         if grouped and input_size % spec.group_size:
             raise ValueError(
                 f"the checkpoint's int4 groups of {spec.group_size} do not divide this rank's "
@@ -93,13 +93,14 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
         scale = layer.weight_scale.data
         if spec.scheme == "fp8_w8a16":
             qw = formats.from_fp8_values(values, scale[:, 0])
-        elif spec.scheme == "int4_w4a16":  # signed [-8, 7] here, unsigned [0, 15] there
+        elif spec.scheme in formats.INT4_SCHEMES:  # signed [-8, 7] here, unsigned [0, 15] there
             zero = getattr(layer, "weight_zero_point", None)
             qw = formats.from_int4_values(
                 (values.to(torch.int16) + 8).to(torch.uint8),
                 scale,
                 None if zero is None else zero.data.to(torch.float32) + 8,
                 spec.group_size,
+                spec.scheme,
             )
         else:
             qw = formats.from_int8_values(values, scale[:, 0], spec.scheme)

@@ -98,7 +98,7 @@ class SharedCacheDrafter:
         self.model: nn.Module = model
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.kv_cache_specs: list[KVCacheSpec] = [
-            layer.get_kv_cache_spec(self.block_size, engine.model.dtype)
+            layer.get_kv_cache_spec(self.block_size, engine.cache.kv_dtype(engine.model.dtype))
             for layer in self.attention_layers
         ]
         self.backend = backend

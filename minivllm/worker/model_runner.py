@@ -72,10 +72,18 @@ class ModelRunner:
         self.attention_layers = [
             m for m in self.model.modules() if isinstance(m, AttentionLayerBase)
         ]
+        kv_dtype = config.cache.kv_dtype(config.model.dtype)
         self.kv_cache_specs: list[KVCacheSpec] = [
-            layer.get_kv_cache_spec(self.block_size, config.model.dtype)
-            for layer in self.attention_layers
+            layer.get_kv_cache_spec(self.block_size, kv_dtype) for layer in self.attention_layers
         ]
+        if kv_dtype != config.model.dtype and any(
+            not isinstance(spec, FullAttentionSpec) for spec in self.kv_cache_specs
+        ):
+            raise ValueError(
+                f"kv_cache_dtype={config.cache.cache_dtype!r} is for models with full "
+                "attention; this model's latent (MLA) cache keeps the model's dtype: "
+                "use kv_cache_dtype='auto'"
+            )
         # verifying k drafts is a decode of 1 + k query tokens
         self.attn_backend = select_attention_backend(
             config.attention_backend, self.kernels, config.decode_query_len, self._spec_type()
@@ -86,7 +94,7 @@ class ModelRunner:
         fused = "off: enforce_eager"
         if not config.enforce_eager:
             self.fused_decode, fused = FusedLlamaDecode.build(
-                self.model, self.kernels, self.attn_backend
+                self.model, self.kernels, self.attn_backend, kv_dtype
             )
         generator = torch.Generator(device=self.device)
         generator.manual_seed(config.model.seed)
@@ -155,14 +163,26 @@ class ModelRunner:
         where = f"{cpu_model()} [{isa_summary()}]" if self.device == "cpu" else self.device
         methods = [getattr(m, "quant_method", None) for m in self.model.modules()]
         panels = sum(getattr(q, "panel_kernel", None) is not None for q in methods)
+        kv_dtype = self.kv_cache_specs[0].dtype if self.kv_cache_specs else None
         logger.info(
-            "kernels: %s on %s; attention backend: %s; all-layers decode step: %s%s",
+            "kernels: %s on %s; attention backend: %s; all-layers decode step: %s%s%s",
             self.kernels.name,
             where,
             self.attn_backend.name,
             fused,
             f"; {panels} linear layers hold bf16 weight panels (fp32 arithmetic)" if panels else "",
+            f"; KV cache in {_dtype_name(kv_dtype)}" if kv_dtype is not None else "",
         )
+        readable = getattr(self.attn_backend, "supports_cache_dtype", None)
+        if kv_dtype is not None and readable is not None and not readable(kv_dtype):
+            logger.warning(
+                "kv_cache_dtype=%s: the %s attention kernels do not read a %s cache, so "
+                "attention runs on the plain-PyTorch path (slower); kv_cache_dtype='auto' "
+                "keeps it on the kernels",
+                self.config.cache.cache_dtype,
+                self.kernels.name,
+                _dtype_name(kv_dtype),
+            )
 
     def kv_cache_bytes_per_block(self) -> int:
         return sum(spec.page_size_bytes for spec in self.kv_cache_specs)
@@ -396,3 +416,7 @@ def token_logprobs(raw: torch.Tensor, chosen: list[int], ks: list[int]) -> list[
         )
         for r in range(len(chosen))
     ]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

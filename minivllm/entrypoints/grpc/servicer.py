@@ -211,7 +211,7 @@ class VllmEngineServicer(pb_grpc.VllmEngineServicer):
             uptime_seconds=time.time() - self.start_time,
             server_type="vllm-grpc",
             data_parallel_size=1,
-            kv_cache_dtype="auto",
+            kv_cache_dtype=config.cache.cache_dtype,
             block_size=config.cache.block_size,
             attention_backend=config.attention_backend or "",
             model_dtype=str(config.model.dtype),

@@ -9,6 +9,11 @@ cache writes and prefills stay on the torch backend's path (index_copy_ and SDPA
 already fast there). The bf16 kernels take head sizes that are multiples of 32
 (decode: up to 256), the AVX2 one multiples of 8; other shapes, and inputs in
 another dtype than the kernels', keep the torch backend's path.
+
+The KV cache may store another dtype than the engine computes in (`kv_cache_dtype`):
+the AVX2 family's write and decode read fp32, bf16 and both fp8 caches (widened to fp32
+as they load); the bf16 family's kernels read bf16 caches only, other caches take the
+torch backend's path.
 """
 
 from __future__ import annotations
@@ -34,6 +39,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self.dtype = kernels.key.dtype  # what the kernels read
         # the decode kernel's templates: bf16 in vectors of 32 lanes, fp32 in 8
         self.head_multiple = 32 if self.dtype == torch.bfloat16 else 8
+        # the cache dtypes the write and decode kernels take
+        self.cache_dtypes: frozenset[torch.dtype] = frozenset(
+            {self.dtype}
+            if self.dtype == torch.bfloat16
+            else {torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2}
+        )
+
+    def supports_cache_dtype(self, dtype: torch.dtype) -> bool:
+        return dtype in self.cache_dtypes
 
     def supports_decode(self, head_dim: int) -> bool:
         return head_dim % self.head_multiple == 0 and head_dim <= 256
@@ -41,7 +55,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def write_kv_cache(
         self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     ) -> None:
-        if self.write_op is None or k.dtype != kv_cache.dtype or k.dtype != self.dtype:
+        if (
+            self.write_op is None
+            or k.dtype != self.dtype
+            or kv_cache.dtype not in self.cache_dtypes
+        ):
             super().write_kv_cache(kv_cache, k, v, slots)
             return
         self.write_op(kv_cache, k, v, slots)
@@ -56,7 +74,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     ) -> None:
         if (
             q.dtype != self.dtype
-            or kv_cache.dtype != self.dtype
+            or kv_cache.dtype not in self.cache_dtypes
             or not self.supports_decode(layer.head_dim)
         ):
             super().decode(layer, q, kv_cache, meta, out)
@@ -82,7 +100,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: PagedAttentionMetadata,
         out: torch.Tensor,
     ) -> None:
-        if self.prefill_op is None or q.dtype != self.dtype or layer.head_dim % 32:
+        if (
+            self.prefill_op is None
+            or q.dtype != self.dtype
+            or kv_cache.dtype != self.dtype
+            or layer.head_dim % 32
+        ):
             super().prefill(layer, n, q, k, v, kv_cache, meta, out)
             return
         start, end = meta.prefill_query_ranges[n]

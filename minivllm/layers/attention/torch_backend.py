@@ -9,6 +9,11 @@ Decodes (requests computing at most `decode_query_len` tokens) become one row pe
 query token, each with its own sequence length (its position + 1), so several
 query tokens of one request are as cheap to batch as one. Every other request is
 a prefill chunk: causal within the chunk, with a full view of its cached context.
+
+The cache may store another dtype than the model computes in (`kv_cache_dtype`): writes
+round into it (`to_cache_dtype`), reads widen back to the query's dtype, and a prefill
+attends to its own keys and values rounded the same way, so every score sees the cached
+numbers.
 """
 
 from __future__ import annotations
@@ -102,6 +107,12 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
         self.write_kv_cache(kv_cache, k, v, metadata.slot_mapping)
+        if metadata.prefill_req_indices and kv_cache.dtype != k.dtype:
+            # prefill attends to this step's keys and values as the cache holds them, as
+            # decode does: a prompt scores the same whether its context was just computed,
+            # came from a prefix-cache hit or from an earlier chunk
+            k = to_cache_dtype(k, kv_cache.dtype).to(k.dtype)
+            v = to_cache_dtype(v, kv_cache.dtype).to(v.dtype)
         out = torch.empty_like(q)
         if metadata.num_decode_tokens:
             self.decode(layer, q, kv_cache, metadata, out)
@@ -114,8 +125,10 @@ class TorchAttentionBackend(AttentionBackend):
         self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
     ) -> None:
         num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
-        kv_cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
-        kv_cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+        k, v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
+        cache = _bits(kv_cache)
+        cache[0].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, _bits(k).transpose(0, 1))
+        cache[1].view(num_kv_heads, -1, head_dim).index_copy_(1, slots, _bits(v).transpose(0, 1))
 
     def decode(
         self,
@@ -133,8 +146,11 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads, num_kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         num = meta.decode_block_tables.shape[0]
         shape = (num_kv_heads, num, -1, head_dim)
-        keys = kv_cache[0][:, meta.decode_block_tables].view(shape)  # [Hkv, B, L, D]
-        values = kv_cache[1][:, meta.decode_block_tables].view(shape)
+        cache = _bits(kv_cache)
+        keys = _read(
+            cache[0][:, meta.decode_block_tables].view(shape), kv_cache, q
+        )  # [Hkv, B, L, D]
+        values = _read(cache[1][:, meta.decode_block_tables].view(shape), kv_cache, q)
         key_pos = torch.arange(keys.shape[2], device=q.device)
         seq_lens = meta.decode_seq_lens.unsqueeze(1)
         mask = key_pos < seq_lens  # [B, L]
@@ -174,8 +190,9 @@ class TorchAttentionBackend(AttentionBackend):
             keys, values = k[:, start:end], v[:, start:end]
         else:
             num_kv_heads, head_dim = kv_cache.shape[1], kv_cache.shape[4]
-            keys = kv_cache[0].view(num_kv_heads, -1, head_dim)[:, slots]
-            values = kv_cache[1].view(num_kv_heads, -1, head_dim)[:, slots]
+            cache = _bits(kv_cache)
+            keys = _read(cache[0].view(num_kv_heads, -1, head_dim)[:, slots], kv_cache, q)
+            values = _read(cache[1].view(num_kv_heads, -1, head_dim)[:, slots], kv_cache, q)
         mask = None
         if num_context or window is not None:
             q_pos = torch.arange(num_context, seq_len, device=q.device).unsqueeze(1)
@@ -194,6 +211,27 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=True,
         )
         out[start:end] = o[0].transpose(0, 1)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` as the cache stores it: rounded to nearest, fp8 saturating at its largest finite
+    value (as vLLM's cache kernels convert; a plain cast would make an overflow NaN)."""
+    if x.dtype == dtype:
+        return x
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    return x.to(dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as their bytes: index_copy_ and gathers take no fp8 on CPU."""
+    return t.view(torch.uint8) if t.dtype.is_floating_point and t.dtype.itemsize == 1 else t
+
+
+def _read(gathered: torch.Tensor, kv_cache: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Gathered cache entries (as `_bits` viewed them) in the query's dtype."""
+    return gathered.view(kv_cache.dtype).to(q.dtype)
 
 
 def _slots(blocks: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
