@@ -204,6 +204,23 @@ class EngineMetrics:
         timing.last_token_time[index] = now
         self.generation_tokens.inc(num_new)
 
+    def record_cache_config(self, cache: object, num_blocks: int) -> None:
+        """vLLM's `cache_config_info`: one series, value 1, whose labels are the KV cache's
+        settings (`config.CacheConfig`) and its size in blocks."""
+        labels = {
+            "block_size": str(cache.block_size),
+            "cache_dtype": cache.cache_dtype,
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "num_gpu_blocks": str(num_blocks),  # vLLM's name; the blocks of whatever device
+        }
+        info = Gauge(
+            "minivllm:cache_config_info",
+            "Information of the KV cache's configuration (the value is 1).",
+            ["model_name", *labels],
+            registry=self.registry,
+        )
+        info.labels(self._model_name, *labels.values()).set(1)
+
     def render(self, vllm_alias: bool = False) -> bytes:
         """The registry in Prometheus' text exposition format; with `vllm_alias`, every
         `minivllm:` series a second time under vLLM's `vllm:` name, for existing dashboards."""

@@ -145,7 +145,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def servers(
     qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, RemoteServer]]:
-    """The main server, and a short-lived one with --api-key and --chat-template (started together).
+    """The main server, and a short-lived one with --api-key, --chat-template and a bf16 KV
+    cache (started together).
 
     One set for the whole session, shared by test_server.py and test_server_errors.py.
     """
@@ -180,6 +181,8 @@ def servers(
             *common,
             "--kv-cache-memory-bytes",
             "1MiB",
+            "--kv-cache-dtype",
+            "bfloat16",
             "--api-key",
             API_KEY,
             "--chat-template",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import sys
 import threading
@@ -325,6 +326,30 @@ def test_api_key(servers: dict[str, RemoteServer]) -> None:
     assert [m.id for m in good.models.list().data] == [MODEL]
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=keyed.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_a_bf16_kv_cache_serves_and_says_so(
+    servers: dict[str, RemoteServer], server: RemoteServer
+) -> None:
+    """The keyed server runs `--kv-cache-dtype bfloat16`: it completes through the openai
+    client, and cache_config_info reports each server's cache dtype and its blocks (the
+    bf16 one holds twice the blocks of its 1 MiB an fp32 cache would)."""
+    keyed = servers["keyed"]
+    good = openai.OpenAI(base_url=keyed.url + "/v1", api_key=API_KEY, max_retries=0)
+    result = good.completions.create(model=MODEL, prompt=PROMPTS[0], **GREEDY)
+    assert result.usage.completion_tokens == 12
+    info = {}
+    for name, srv in (("keyed", keyed), ("main", server)):
+        text = httpx.get(srv.url + "/metrics", headers={"Authorization": API_KEY}).text
+        (line,) = [x for x in text.splitlines() if x.startswith("minivllm:cache_config_info{")]
+        assert line.endswith(" 1.0")
+        info[name] = dict(re.findall(r'(\w+)="([^"]*)"', line))
+    assert info["keyed"]["cache_dtype"] == "bfloat16"
+    assert info["main"]["cache_dtype"] == "auto"
+    assert info["main"]["block_size"] == info["keyed"]["block_size"]
+    # 1 MiB of bf16 blocks against 4 MiB of fp32 ones: half as many (each count rounded down)
+    main_blocks = int(info["main"]["num_gpu_blocks"])
+    assert abs(main_blocks - 2 * int(info["keyed"]["num_gpu_blocks"])) <= 1
 
 
 def test_chat_template_flag(servers: dict[str, RemoteServer], tokenizer: Any) -> None:

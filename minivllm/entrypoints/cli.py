@@ -250,6 +250,8 @@ def serve_command(args: argparse.Namespace) -> int:
         sock.close()
         return 1
     _log_engine(async_llm)
+    engine = async_llm.engine
+    metrics.record_cache_config(engine.config.cache, engine.kv_cache_manager.pool.num_blocks)
     # The server owns this process, and the model, tokenizer and caches live as long as
     # it: move them out of the collector's view so full collections while serving do not
     # walk them (vLLM freezes after start-up too). Not done in `LLM`, whose process is
