@@ -2,7 +2,8 @@
 
     apt-get install -y python3.11-doc && python tools/prepare_corpus.py --out /tmp/corpus
     python benchmarks/quant_quality.py --heldout /tmp/corpus/heldout.txt \
-        [--kl-model /tmp/qwen3-0.6b-random] [--schemes int8_w8a16 int4_w4a16 ...]
+        [--kl-model /tmp/qwen3-0.6b-random] [--schemes int8_w8a16 int4_w4a16 ...] \
+        [--kv-cache-dtypes bfloat16 fp8 fp8_e5m2]
 
 Perplexity runs through minivllm itself: the bundled demo-base (a trained model) scores
 every non-overlapping 256-token window of the held-out documents (the demo models'
@@ -29,6 +30,8 @@ import time
 
 import torch
 
+from minivllm.config import KV_CACHE_DTYPES
+
 SCHEMES = ("int8_w8a16", "int8_w8a8", "fp8_w8a16", "int4_w4a16", "int4_w4a8")
 WINDOW = 256
 
@@ -46,12 +49,22 @@ def heldout_windows(path: str, model: str, limit: int | None) -> list[list[int]]
     return windows[:limit] if limit else windows
 
 
-def engine_nll(model: str, scheme: str | None, windows: list[list[int]]) -> float:
-    """Mean next-token NLL (nats) of the windows through minivllm with `scheme` (None: unquantized)."""
+def engine_nll(
+    model: str, scheme: str | None, windows: list[list[int]], kv_cache_dtype: str = "auto"
+) -> float:
+    """Mean next-token NLL (nats) of the windows through minivllm with `scheme` (None:
+    unquantized) and a `kv_cache_dtype` cache (a prompt attends to its keys and values as
+    the cache holds them, so a narrow cache's rounding is in the score)."""
     from minivllm import LLM, SamplingParams
 
     quant = {} if scheme is None else {"quantization": scheme}
-    llm = LLM(model, max_model_len=WINDOW + 8, enable_prefix_caching=False, **quant)
+    llm = LLM(
+        model,
+        max_model_len=WINDOW + 8,
+        enable_prefix_caching=False,
+        kv_cache_dtype=kv_cache_dtype,
+        **quant,
+    )
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=True)
     total, count = 0.0, 0
@@ -114,7 +127,14 @@ def main() -> None:
     )
     parser.add_argument("--heldout", required=True, help="heldout.txt of tools/prepare_corpus.py")
     parser.add_argument("--model", default="demo-base")
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument("--schemes", nargs="*", default=list(SCHEMES), choices=SCHEMES)
+    parser.add_argument(
+        "--kv-cache-dtypes",
+        nargs="*",
+        default=[],
+        choices=[d for d in KV_CACHE_DTYPES if d != "auto"],
+        help="also score the unquantized model with these KV-cache dtypes (perplexity only)",
+    )
     parser.add_argument("--windows", type=int, help="score only the first N windows")
     parser.add_argument("--kl-windows", type=int, default=32, help="demo-base windows for KL")
     parser.add_argument("--kl-model", help="a second checkpoint for KL (e.g. the 0.6B shape)")
@@ -131,12 +151,13 @@ def main() -> None:
     start = time.perf_counter()
     base = engine_nll(args.model, None, windows)
     nll = {s: engine_nll(args.model, s, windows) for s in args.schemes}
+    kv_nll = {d: engine_nll(args.model, None, windows, d) for d in args.kv_cache_dtypes}
     print(f"(engine runs: {time.perf_counter() - start:.0f} s)")
 
     kl_inputs = torch.tensor(windows[: args.kl_windows])
-    kl = kl_to_bf16(resolve_model_path(args.model), args.schemes, kl_inputs)
+    kl = kl_to_bf16(resolve_model_path(args.model), args.schemes, kl_inputs) if args.schemes else {}
     kl_big = {}
-    if args.kl_model:
+    if args.kl_model and args.schemes:
         with open(os.path.join(args.kl_model, "config.json")) as f:
             vocab = json.load(f)["vocab_size"]
         gen = torch.Generator().manual_seed(0)
@@ -156,6 +177,10 @@ def main() -> None:
         ]
         if args.kl_model:
             cells.append(f"{kl_big[s]:.2e}")
+        print("| " + " | ".join(cells) + " |")
+    for d, value in kv_nll.items():
+        cells = [f"unquantized, kv_cache_dtype={d}", f"{math.exp(value):.3f}"]
+        cells += [f"{math.exp(value - base) - 1:+.2%}", ""] + ([""] if args.kl_model else [])
         print("| " + " | ".join(cells) + " |")
 
 
