@@ -104,6 +104,7 @@ class EngineMetrics:
         self._counter, self._gauge = counter, gauge
         self._hisparse: dict[str, Counter | Gauge] | None = None  # made on first HiSparse stats
         self._model_name = model_name
+        self._cache_info: Gauge | None = None  # cache_config_info, once the engine exists
         self._last_stats = SchedulerStats()
         self._last_spec = SpecDecodeStats()
         self._timings: dict[str, _RequestTiming] = {}
@@ -213,13 +214,15 @@ class EngineMetrics:
             "enable_prefix_caching": str(cache.enable_prefix_caching),
             "num_gpu_blocks": str(num_blocks),  # vLLM's name; the blocks of whatever device
         }
-        info = Gauge(
-            "minivllm:cache_config_info",
-            "Information of the KV cache's configuration (the value is 1).",
-            ["model_name", *labels],
-            registry=self.registry,
-        )
-        info.labels(self._model_name, *labels.values()).set(1)
+        if self._cache_info is None:
+            self._cache_info = Gauge(
+                "minivllm:cache_config_info",
+                "Information of the KV cache's configuration (the value is 1).",
+                ["model_name", *labels],
+                registry=self.registry,
+            )
+        self._cache_info.clear()  # one series: the engine's current settings
+        self._cache_info.labels(self._model_name, *labels.values()).set(1)
 
     def render(self, vllm_alias: bool = False) -> bytes:
         """The registry in Prometheus' text exposition format; with `vllm_alias`, every

@@ -120,8 +120,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default=d["kv_cache_dtype"],
         help="what the KV cache stores: auto (the model's dtype), bfloat16 (half an fp32 "
-        "engine's cache), fp8 / fp8_e4m3 or fp8_e5m2 (unscaled; a quarter) "
-        "(default: %(default)s)",
+        "engine's cache), fp8 / fp8_e4m3 or fp8_e5m2 (unscaled: a quarter of an fp32 "
+        "engine's cache, half a bf16 one's) (default: %(default)s)",
     )
     cache.add_argument(
         "--enable-prefix-caching",

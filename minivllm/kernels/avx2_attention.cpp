@@ -14,7 +14,8 @@
 // is widened to fp32 as it is loaded (bf16: shifted into the top half; fp8: bit moves and
 // one multiply, `load8`), and everything after is the fp32 kernel's.
 // At batch 1 decode attention streams the context once per step, so a bf16 cache halves
-// its bytes and fp8 quarters them.
+// its bytes and fp8 quarters them. fp8's NaN and inf bytes read as large finite numbers
+// (e4m3's NaN as 480): writes saturate, so only a model already producing NaN stores one.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
