@@ -56,9 +56,17 @@ class ModelConfig:
         return self.hf_config.vocab_size
 
 
-# vLLM's kv_cache_dtype values minivllm takes: "auto" keeps the model's dtype; "fp8" is
-# e4m3, stored unscaled (vLLM's k_scale = v_scale = 1.0 when a checkpoint carries none).
-KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# vLLM's kv_cache_dtype values minivllm takes, and the torch dtype each stores ("auto": the
+# model's). fp8 is stored unscaled (vLLM's k_scale = v_scale = 1.0 when a checkpoint carries
+# none).
+_KV_CACHE_TORCH_DTYPES = {
+    "auto": None,
+    "bfloat16": "bfloat16",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
+KV_CACHE_DTYPES = tuple(_KV_CACHE_TORCH_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -80,16 +88,18 @@ class CacheConfig:
             )
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The dtype the paged KV cache stores."""
+        """The dtype the paged KV cache stores under an engine computing in `model_dtype`."""
         import torch
 
-        return {
-            "auto": model_dtype,
-            "bfloat16": torch.bfloat16,
-            "fp8": torch.float8_e4m3fn,
-            "fp8_e4m3": torch.float8_e4m3fn,
-            "fp8_e5m2": torch.float8_e5m2,
-        }[self.cache_dtype]
+        name = _KV_CACHE_TORCH_DTYPES[self.cache_dtype]
+        if name is None:
+            return model_dtype
+        if name == "bfloat16" and model_dtype == torch.float16:
+            raise ValueError(
+                "kv_cache_dtype='bfloat16' under a float16 engine saves no memory and turns "
+                "keys past float16's range into inf; use kv_cache_dtype='auto' or 'fp8'"
+            )
+        return getattr(torch, name)
 
 
 @dataclass(frozen=True)

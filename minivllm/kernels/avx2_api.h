@@ -6,6 +6,24 @@
 
 #include <vector>
 
+// f(const-less null pointer of the element type) for a KV cache of fp32, bf16, fp8 e4m3 or
+// e5m2 (kv_cache_dtype), the one place the AVX2 family maps a cache dtype to a C++ type.
+template <class F>
+void visit_cache_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      return f(static_cast<float*>(nullptr));
+    case at::kBFloat16:
+      return f(static_cast<c10::BFloat16*>(nullptr));
+    case at::kFloat8_e4m3fn:
+      return f(static_cast<c10::Float8_e4m3fn*>(nullptr));
+    case at::kFloat8_e5m2:
+      return f(static_cast<c10::Float8_e5m2*>(nullptr));
+    default:
+      TORCH_CHECK(false, "KV cache: float32, bfloat16, float8_e4m3fn or float8_e5m2, got ", dtype);
+  }
+}
+
 torch::Tensor avx2_paged_attention_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                                           int64_t window);

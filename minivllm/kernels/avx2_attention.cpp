@@ -40,15 +40,8 @@ inline __m256 load8(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
-// e5m2 as fp8x8 reads e4m3: the byte's exponent field and mantissa moved to fp32's
-// (bits 21-27), the sign to bit 31, then times 2^(127 - 15). Subnormals need KeepSubnormals.
-inline __m256 load8(const c10::Float8_e5m2* p) {
-  const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi32(d, 21), _mm256_set1_epi32(0x0FE00000));
-  const __m256i sign = _mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p112f));
-}
 inline __m256 load8(const c10::Float8_e4m3fn* p) { return fp8x8(reinterpret_cast<const uint8_t*>(p)); }
+inline __m256 load8(const c10::Float8_e5m2* p) { return fp8x8<5>(reinterpret_cast<const uint8_t*>(p)); }
 
 // Lane i of the result: the sum of the 8 lanes of v_i.
 inline __m256 sum8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5, __m256 v6, __m256 v7) {
@@ -213,25 +206,10 @@ torch::Tensor avx2_paged_attention_decode(torch::Tensor q, torch::Tensor k_cache
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
-  switch (k_cache.scalar_type()) {
-    case at::kFloat:
-      decode_all(shape, qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), bt, sl, sc, window, op);
-      break;
-    case at::kBFloat16:
-      decode_all(shape, qp, k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>(), bt, sl, sc,
-                 window, op);
-      break;
-    case at::kFloat8_e4m3fn:
-      decode_all(shape, qp, k_cache.data_ptr<c10::Float8_e4m3fn>(), v_cache.data_ptr<c10::Float8_e4m3fn>(), bt,
-                 sl, sc, window, op);
-      break;
-    case at::kFloat8_e5m2:
-      decode_all(shape, qp, k_cache.data_ptr<c10::Float8_e5m2>(), v_cache.data_ptr<c10::Float8_e5m2>(), bt, sl,
-                 sc, window, op);
-      break;
-    default:
-      TORCH_CHECK(false, "caches: float32, bfloat16, float8_e4m3fn or float8_e5m2, got ", k_cache.scalar_type());
-  }
+  visit_cache_type(k_cache.scalar_type(), [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    decode_all(shape, qp, k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), bt, sl, sc, window, op);
+  });
   return out;
 }
 

@@ -62,26 +62,10 @@ void write_cache(torch::Tensor& cache, int which, const float* src, int64_t row_
                  int64_t T, int64_t Hkv, int64_t D) {
   const int64_t slots_per_head = cache.size(2) * cache.size(3);
   const int64_t offset = which * Hkv * slots_per_head * D;
-  switch (cache.scalar_type()) {
-    case at::kFloat:
-      return write_rows(cache.data_ptr<float>() + offset, src, row_stride, slots, T, Hkv, slots_per_head, D);
-    case at::kBFloat16:
-      return write_rows(cache.data_ptr<c10::BFloat16>() + offset, src, row_stride, slots, T, Hkv, slots_per_head,
-                        D);
-    case at::kFloat8_e4m3fn:
-      return write_rows(cache.data_ptr<c10::Float8_e4m3fn>() + offset, src, row_stride, slots, T, Hkv,
-                        slots_per_head, D);
-    case at::kFloat8_e5m2:
-      return write_rows(cache.data_ptr<c10::Float8_e5m2>() + offset, src, row_stride, slots, T, Hkv,
-                        slots_per_head, D);
-    default:
-      TORCH_CHECK(false, "kv cache: float32, bfloat16, float8_e4m3fn or float8_e5m2, got ", cache.scalar_type());
-  }
-}
-
-bool cache_dtype_ok(const torch::Tensor& cache) {
-  const auto t = cache.scalar_type();
-  return t == at::kFloat || t == at::kBFloat16 || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+  visit_cache_type(cache.scalar_type(), [&](auto* type) {
+    using C = std::remove_pointer_t<decltype(type)>;
+    write_rows(cache.data_ptr<C>() + offset, src, row_stride, slots, T, Hkv, slots_per_head, D);
+  });
 }
 
 // x: T rows of H heads (row stride `row_stride`, each head's D values contiguous), rotated
@@ -155,7 +139,7 @@ void avx2_rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor
 // k, v: [T, Hkv, D] fp32 (rows may be strided views into the fused qkv output) into a
 // layer's cache [2, Hkv, NB, BS, D] at slots [T], rounded to the cache's dtype.
 void avx2_write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping) {
-  TORCH_CHECK(cache_dtype_ok(kv_cache) && kv_cache.is_contiguous() && kv_cache.dim() == 5,
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.dim() == 5,
               "kv_cache: contiguous [2, Hkv, NB, BS, D] of float32, bfloat16 or fp8");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
   const int64_t T = k.size(0), Hkv = kv_cache.size(1), D = kv_cache.size(4);
@@ -193,7 +177,7 @@ torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (const auto& cache : kv_caches)
-    TORCH_CHECK(cache_dtype_ok(cache) && cache.is_contiguous() && cache.dim() == 5 &&
+    TORCH_CHECK(cache.is_contiguous() && cache.dim() == 5 &&
                     cache.size(1) == num_kv_heads && cache.size(4) == D,
                 "kv caches: contiguous [2, Hkv, NB, BS, D] of float32, bfloat16 or fp8");
   check_indices(slots, B, kv_caches.empty() ? 0 : kv_caches[0].size(2) * kv_caches[0].size(3), "slot");

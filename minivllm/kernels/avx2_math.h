@@ -56,13 +56,19 @@ class KeepSubnormals {
   unsigned saved_;
 };
 
-// 8 e4m3 bytes at p as fp32 (avx2_quant.cpp's header says how; their subnormals need
-// KeepSubnormals alive in the calling thread).
+// 8 fp8 bytes at p as fp32, with EXP exponent bits (4: e4m3, 5: e5m2; avx2_quant.cpp's
+// header says how): the 7 magnitude bits shifted left by 16 + EXP put the exponent field
+// and mantissa where fp32's are, the sign goes to bit 31, and one multiply by
+// 2^(127 - bias) rebiases. Their subnormals need KeepSubnormals alive in the calling thread.
+template <int EXP = 4>
 inline __m256 fp8x8(const uint8_t* p) {
+  constexpr int shift = 16 + EXP;                        // 20 for e4m3, 21 for e5m2
+  constexpr int rebias = 127 - ((1 << (EXP - 1)) - 1);  // 120, 112
   const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(0x07F00000));
+  const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi32(d, shift), _mm256_set1_epi32(0x7F << shift));
   const __m256i sign = _mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), _mm256_set1_ps(0x1p120f));
+  const __m256 scale = _mm256_castsi256_ps(_mm256_set1_epi32((127 + rebias) << 23));  // 2^rebias
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), scale);
 }
 
 }  // namespace

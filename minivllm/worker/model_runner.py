@@ -76,11 +76,6 @@ class ModelRunner:
         self.kv_cache_specs: list[KVCacheSpec] = [
             layer.get_kv_cache_spec(self.block_size, kv_dtype) for layer in self.attention_layers
         ]
-        if kv_dtype == torch.bfloat16 and config.model.dtype == torch.float16:
-            raise ValueError(
-                "kv_cache_dtype='bfloat16' under a float16 engine saves no memory and turns "
-                "keys past float16's range into inf; use kv_cache_dtype='auto' or 'fp8'"
-            )
         if kv_dtype != config.model.dtype and any(
             not isinstance(spec, FullAttentionSpec) for spec in self.kv_cache_specs
         ):
