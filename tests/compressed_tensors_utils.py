@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -270,3 +271,75 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as tmp:
         _self_check(tmp)
+
+
+# ----------------------------------------------------------------- fp8 KV-cache scales
+@torch.no_grad()
+def add_fp8_kv_cache_scales(
+    src, out, strategy: str, calibration: list[list[int]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Save the checkpoint at `src` to `out` with an fp8 `kv_cache_scheme` and its scales.
+
+    The scales are what llm-compressor's static min-max observer computes: the largest
+    |key| (after the rotary embedding, as its QuantizedKVCache sees keys) and |value| over
+    the `calibration` token ids, per layer (strategy "tensor") or per KV head
+    ("attn_head"), divided by 448 (e4m3's largest finite value). The parameters are
+    registered with the library's own `initialize_qparams` (its names and shapes:
+    `self_attn.k_scale` [1] or [Hkv, 1, 1]); the config is the library's QuantizationConfig.
+    (`apply_quantization_config` attaches no KV-cache hooks to transformers 5's attention
+    here: compressed-tensors 0.20.1 looks for a `past_key_values` argument in its forward,
+    which transformers 5.24 renamed; so the observer's step is done here.)
+    Returns each layer's (k_scale, v_scale), fp32 [Hkv]."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.initialize import initialize_qparams
+    from transformers import AutoModelForCausalLM
+    from transformers.cache_utils import DynamicCache
+
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    amax: dict[int, list[torch.Tensor]] = {}
+
+    class Observer(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            # [batch, Hkv, T, D] -> the largest magnitude per KV head
+            k = key_states.abs().amax(dim=(0, 2, 3))
+            v = value_states.abs().amax(dim=(0, 2, 3))
+            old = amax.get(layer_idx)
+            amax[layer_idx] = [k, v] if old is None else [old[0].maximum(k), old[1].maximum(v)]
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    for ids in calibration:
+        hf(torch.tensor([ids]), cache=Observer(), use_cache=True)
+    args = QuantizationArgs(
+        num_bits=8, type="float", strategy=strategy, dynamic=False, symmetric=True
+    )
+    config = hf.config
+    num_kv = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    scales = []
+    for i, layer in enumerate(hf.model.layers):
+        attn = layer.self_attn
+        pair = []
+        for base, top in zip(("k", "v"), amax[i], strict=True):
+            per_head = (
+                top / 448.0 if strategy == "attn_head" else (top.max() / 448.0).expand(num_kv)
+            )
+            initialize_qparams(
+                attn,
+                base,
+                args,
+                observed_shape=(num_kv, None, head_dim),
+                observed_dtype=torch.float32,
+                force_zero_point=False,
+            )
+            param = getattr(attn, f"{base}_scale")
+            param.copy_(per_head.reshape(param.shape) if strategy == "attn_head" else per_head[:1])
+            pair.append(per_head.clone())
+        scales.append((pair[0], pair[1]))
+    hf.config.quantization_config = QuantizationConfig(
+        config_groups={}, kv_cache_scheme=args, quantization_status="frozen"
+    ).to_dict()
+    hf.save_pretrained(out)
+    for name in os.listdir(src):  # the tokenizer's files
+        if not os.path.exists(os.path.join(out, name)) and "safetensors" not in name:
+            shutil.copy(os.path.join(src, name), os.path.join(out, name))
+    return scales

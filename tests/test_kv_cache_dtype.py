@@ -83,24 +83,39 @@ def test_engine_matches_transformers_with_a_rounding_cache(make_checkpoint, kv, 
     runner = llm.llm_engine.executor.runner
     assert all(spec.dtype == KV_DTYPES[kv] for spec in runner.kv_cache_specs)
     assert all(layer.kv_cache.dtype == KV_DTYPES[kv] for layer in runner.attention_layers)
+    outs = scored_generations(llm)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    assert_closer_to_oracle(
+        outs,
+        lambda ids: _hf_logprobs(hf, ids, KV_DTYPES[kv]),
+        lambda ids: _hf_logprobs(hf, ids, None),
+    )
+
+
+def scored_generations(llm: LLM) -> list:
+    """Three prompts (3, 13 and 21 tokens) with their prompt logprobs and 12 greedy tokens."""
     prompts = [list(range(5, 5 + n)) for n in (3, 13, 21)]
     params = SamplingParams(
         temperature=0, max_tokens=12, logprobs=1, prompt_logprobs=1, ignore_eos=True
     )
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
-    to_rounded, to_plain = [], []
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def assert_closer_to_oracle(outs, oracle, other, bound: float = 5e-4) -> None:
+    """Our logprob of every token of `outs` (prompt and completion) lies within `bound` of
+    `oracle`'s (token ids -> [T, vocab] logprobs), and `other` (the same model without the
+    cache's rounding) is on average at least 10x further away."""
+    to_oracle, to_other = [], []
     for out in outs:
         full, ours = _engine_logprobs(out)
-        rounded = _hf_logprobs(hf, full, KV_DTYPES[kv])
-        plain = _hf_logprobs(hf, full, None)
+        want, far = oracle(full), other(full)
         for pos in range(1, len(full)):
-            to_rounded.append(abs(ours[pos - 1] - rounded[pos - 1, full[pos]].item()))
-            to_plain.append(abs(ours[pos - 1] - plain[pos - 1, full[pos]].item()))
-    mean_rounded = sum(to_rounded) / len(to_rounded)
-    mean_plain = sum(to_plain) / len(to_plain)
-    assert mean_plain > 10 * mean_rounded, (mean_rounded, mean_plain)
-    assert max(to_rounded) < 5e-4, max(to_rounded)
+            to_oracle.append(abs(ours[pos - 1] - want[pos - 1, full[pos]].item()))
+            to_other.append(abs(ours[pos - 1] - far[pos - 1, full[pos]].item()))
+    mean_oracle = sum(to_oracle) / len(to_oracle)
+    mean_other = sum(to_other) / len(to_other)
+    assert mean_other > 10 * mean_oracle, (mean_oracle, mean_other)
+    assert max(to_oracle) < bound, max(to_oracle)
 
 
 @needs_avx2

@@ -23,6 +23,7 @@ from minivllm.hisparse.config import resolve_hisparse_config
 from minivllm.loader.hub import resolve_model_path
 from minivllm.quantization.compressed_tensors import read_checkpoint_quantization
 from minivllm.quantization.config import resolve_quantization
+from minivllm.quantization.kv_cache import resolve_kv_cache_dtype
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.watermark.config import WatermarkConfig
 
@@ -94,6 +95,7 @@ class EngineArgs:
         resolve_model_class(getattr(hf_config, "architectures", None))  # fail early
         device = resolve_device(self.device)
         max_model_len = derive_max_model_len(hf_config, self.max_model_len)
+        checkpoint_quantization = read_checkpoint_quantization(hf_config)
         model = ModelConfig(
             model=model_dir,
             tokenizer=resolve_model_path(self.tokenizer, None, self.download_dir, need_config=False)
@@ -108,7 +110,12 @@ class EngineArgs:
             quantization=resolve_quantization(
                 self.quantization, self.quantization_config, self.kernel_config
             ),
-            checkpoint_quantization=read_checkpoint_quantization(hf_config),
+            checkpoint_quantization=checkpoint_quantization,
+        )
+        kv_cache_dtype = resolve_kv_cache_dtype(
+            self.kv_cache_dtype,
+            checkpoint_quantization.kv_cache if checkpoint_quantization else None,
+            hf_config,
         )
         batched = self.max_num_batched_tokens or max(4096, min(max_model_len, 8192))
         block_size = self.block_size or default_block_size(device)
@@ -125,7 +132,7 @@ class EngineArgs:
                 block_size,
                 self.kv_cache_memory_bytes,
                 self.enable_prefix_caching,
-                self.kv_cache_dtype,
+                kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len, lookahead),
             parallel=ParallelConfig(

@@ -119,9 +119,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=d["kv_cache_dtype"],
-        help="what the KV cache stores: auto (the model's dtype), bfloat16 (half an fp32 "
-        "engine's cache), fp8 / fp8_e4m3 or fp8_e5m2 (unscaled: a quarter of an fp32 "
-        "engine's cache, half a bf16 one's) (default: %(default)s)",
+        help="what the KV cache stores: auto (the model's dtype, or fp8 with the checkpoint's "
+        "scales where a compressed-tensors checkpoint declares a kv_cache_scheme), bfloat16 "
+        "(half an fp32 engine's cache), fp8 / fp8_e4m3 or fp8_e5m2 (a quarter of an fp32 "
+        "engine's cache, half a bf16 one's; scaled by the checkpoint's k/v scales, else "
+        "unscaled) (default: %(default)s)",
     )
     cache.add_argument(
         "--enable-prefix-caching",

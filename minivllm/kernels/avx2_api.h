@@ -44,7 +44,8 @@ void avx2_rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor
 void avx2_write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor v, torch::Tensor slot_mapping);
 torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                  std::vector<int64_t> linears, std::vector<torch::Tensor> quant,
-                                 std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
+                                 std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> kv_scales,
+                                 std::vector<int64_t> windows,
                                  torch::Tensor final_norm, torch::Tensor positions, torch::Tensor slot_mapping,
                                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
                                  torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

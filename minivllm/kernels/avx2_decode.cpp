@@ -88,6 +88,18 @@ void rotate(float* x, int64_t row_stride, int64_t T, int64_t H, int64_t D, const
   }
 }
 
+// x: T rows of H heads (row stride `row_stride`, each head's D values contiguous); head h
+// times factor[h / group], in place (an fp8 cache's scales, quantization/kv_cache.py).
+void scale_heads(float* x, int64_t row_stride, int64_t T, int64_t H, int64_t D, const float* factor,
+                 int64_t group) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h) {
+      float* v = x + t * row_stride + h * D;
+      const float f = factor[h / group];
+      for (int64_t d = 0; d < D; ++d) v[d] *= f;
+    }
+}
+
 // Every one of n indices in [0, bound): `what` names them in the error.
 void check_indices(const int64_t* index, int64_t n, int64_t bound, const char* what) {
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(index[i] >= 0 && index[i] < bound, what, " out of range");
@@ -156,11 +168,13 @@ void avx2_write_kv_cache(torch::Tensor kv_cache, torch::Tensor k, torch::Tensor 
 }
 
 // hidden: [B, H] fp32 embeddings of the step's tokens; returns the final-normed hidden.
+// kv_scales: per layer, an fp8 cache's scales [4, Hkv] or an empty tensor.
 // weights: 12 per layer (Slot); linears: [kind, n, group_size] per linear (qkv, o, gate_up,
 // down of each layer); quant: [scale, zero] per linear (empty tensors for panels).
 torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                  std::vector<int64_t> linears, std::vector<torch::Tensor> quant,
-                                 std::vector<torch::Tensor> kv_caches, std::vector<int64_t> windows,
+                                 std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> kv_scales,
+                                 std::vector<int64_t> windows,
                                  torch::Tensor final_norm, torch::Tensor positions, torch::Tensor slot_mapping,
                                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
                                  torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -170,6 +184,11 @@ torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor
   TORCH_CHECK(static_cast<int64_t>(linears.size()) == L * 4 * 3, "linears: kind, n, group size per linear");
   TORCH_CHECK(static_cast<int64_t>(quant.size()) == L * 4 * 2, "quant: scale, zero per linear");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "one window per layer");
+  TORCH_CHECK(static_cast<int64_t>(kv_scales.size()) == L, "one KV-scale tensor per layer (empty: none)");
+  for (const auto& s : kv_scales)
+    TORCH_CHECK(s.numel() == 0 || (s.scalar_type() == at::kFloat && s.is_contiguous() && s.dim() == 2 &&
+                                   s.size(0) == 4 && s.size(1) == num_kv_heads),
+                "kv scales: float32 [4, Hkv] (k_scale, v_scale, 1 / k_scale, 1 / v_scale) or empty");
   TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2, "hidden: float32 [B, H]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
   const int64_t B = hidden.size(0), D = head_dim;
@@ -205,11 +224,20 @@ torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor
            cos.size(1));
     rotate(k.data_ptr<float>(), k.stride(0), B, num_kv_heads, D, pos, cos.data_ptr<float>(),
            sin.data_ptr<float>(), cos.size(1));
+    float* v = qkv.data_ptr<float>() + q_size + kv_size;
+    const float* ks = kv_scales[l].numel() ? kv_scales[l].data_ptr<float>() : nullptr;
+    const int64_t G = num_heads / num_kv_heads;
+    if (ks) {  // as Attention.forward: k_scale q, k / k_scale, v / v_scale (times reciprocals)
+      scale_heads(q.data_ptr<float>(), q.stride(0), B, num_heads, D, ks, G);
+      scale_heads(k.data_ptr<float>(), k.stride(0), B, num_kv_heads, D, ks + 2 * num_kv_heads, 1);
+      scale_heads(v, qkv.stride(0), B, num_kv_heads, D, ks + 3 * num_kv_heads, 1);
+    }
     torch::Tensor& cache = kv_caches[l];
     write_cache(cache, 0, k.data_ptr<float>(), k.stride(0), slots, B, num_kv_heads, D);
-    write_cache(cache, 1, qkv.data_ptr<float>() + q_size + kv_size, qkv.stride(0), slots, B, num_kv_heads, D);
+    write_cache(cache, 1, v, qkv.stride(0), slots, B, num_kv_heads, D);
     torch::Tensor attn =
         avx2_paged_attention_decode(q.contiguous(), cache[0], cache[1], block_tables, seq_lens, scale, windows[l]);
+    if (ks) scale_heads(attn.data_ptr<float>(), q_size, B, num_heads, D, ks + num_kv_heads, G);
     torch::Tensor o = lin(1, O_W, O_B)(attn.view({B, q_size}));
     h = avx2_fused_add_rms_norm(o, residual, w[POST_NORM], eps);
     h = lin(3, DOWN_W, DOWN_B)(avx2_silu_and_mul(lin(2, GATE_UP_W, GATE_UP_B)(h)));

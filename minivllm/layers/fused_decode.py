@@ -106,6 +106,8 @@ def why_not_fused(
         return f"the {backend.name} attention backend has no fused step"
     if kv_dtype is not None and not backend.supports_cache_dtype(kv_dtype):
         return f"the decode kernels do not read a {str(kv_dtype).removeprefix('torch.')} KV cache"
+    if not fp32 and any(layer.attn.kv_scales is not None for layer in parts.layers):
+        return "the bf16 decode step does not apply KV-cache scales"
     eps = {parts.final_norm.eps}
     for layer in parts.layers:
         if layer.rotary is not rotary:
@@ -211,6 +213,10 @@ class _DecodeStep:
     def _linear_args(self) -> tuple:
         raise NotImplementedError
 
+    def _scale_args(self) -> tuple:
+        """The KV-cache scales, for a step that takes them (after the caches)."""
+        return ()
+
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedAttentionMetadata
     ) -> torch.Tensor:
@@ -220,6 +226,7 @@ class _DecodeStep:
             self.weights,
             *self._linear_args(),
             [a.kv_cache for a in self.attention],
+            *self._scale_args(),
             self.windows,
             self.final_norm,
             positions,
@@ -337,6 +344,11 @@ class Avx2FusedDecode(_DecodeStep):
 
     def _linear_args(self) -> tuple:
         return (self.linears, self.quant)
+
+    def _scale_args(self) -> tuple:
+        # per layer: an fp8 cache's scales [4, Hkv] (quantization/kv_cache.py), or empty
+        none = torch.empty(0)
+        return ([_or(a.kv_scales, none) for a in self.attention],)
 
 
 def _weight(linear: LinearBase) -> torch.Tensor:

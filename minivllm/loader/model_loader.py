@@ -62,13 +62,18 @@ def load_model(
 
 def quantize_layers(model: nn.Module, config: ModelConfig) -> None:
     """Give the layers that the checkpoint stores quantized, or that online quantization
-    targets, their quantized method (`quantization/`); the rest stay as built."""
+    targets, their quantized method (`quantization/`); the rest stay as built. A checkpoint
+    with fp8 KV-cache scales gives each attention layer `k_scale` and `v_scale`."""
     checkpoint = config.checkpoint_quantization
     if config.quantization is None and checkpoint is None:
         return
     from minivllm.quantization.apply import assign_quant_methods
 
     assign_quant_methods(model, config.quantization, checkpoint)
+    if checkpoint is not None and checkpoint.kv_cache is not None:
+        from minivllm.quantization.kv_cache import add_kv_scale_parameters
+
+        add_kv_scale_parameters(model, checkpoint.kv_cache)
 
 
 def get_model(config: EngineConfig, kernels: Kernels, available_bytes: int | None) -> nn.Module:

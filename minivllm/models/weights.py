@@ -7,6 +7,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from minivllm.quantization.kv_cache import checkpoint_target
+
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -29,6 +31,11 @@ def load_weights_strict(
         if name in skip or name.endswith(_IGNORED_SUFFIXES):
             continue
         target, shard_id = _map_name(name, packed_modules)
+        kv_target = checkpoint_target(name) if target not in params else None
+        if kv_target == "" and any(".k_scale" in p for p in params):
+            continue  # q_scale, prob_scale beside a KV-cache scheme: not used
+        if kv_target:
+            target = kv_target
         param = params.get(target)
         if param is None:
             raise ValueError(
@@ -64,8 +71,8 @@ def _expected_sources(
 ) -> set[str]:
     """The checkpoint names that must appear, derived from our parameter names."""
     expected = set()
-    for name in params:
-        if name in skip:
+    for name, param in params.items():
+        if name in skip or getattr(param, "optional_checkpoint_tensor", False):
             continue
         sources = [s for s, (t, _) in packed_modules.items() if f".{t}." in name]
         if sources:

@@ -17,6 +17,9 @@ in full precision). The on-disk tensors of a quantized layer, per format:
   dimension (int32 [N/8, K/G]); w = (q - z) * scale.
 - Symmetric int8 scales are max|w|/127.5 there, so q reaches -128 (our kernels take it).
 
+A `kv_cache_scheme` (fp8 keys and values with calibrated per-layer or per-head scales)
+is read by quantization/kv_cache.py; a checkpoint may hold only that.
+
 Layers the checkpoint stores quantized keep that format (repacked once into our
 kernel layout, `formats.py`, never re-quantized); online `targets` (config.py) apply
 only to the layers left in full precision (vLLM PR #51392). `tests/compressed_tensors_utils.py`
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.quantization.config import SchemeSpec
+from minivllm.quantization.kv_cache import KVCacheScheme, read_kv_cache_scheme
 
 _FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _SUPPORTED = (
@@ -63,6 +67,7 @@ class CheckpointQuantization:
     groups: tuple[ConfigGroup, ...]
     ignore: tuple[str, ...]
     format: str = "compressed-tensors"
+    kv_cache: KVCacheScheme | None = None  # fp8 KV-cache scales (quantization/kv_cache.py)
 
     def spec_for(self, name: str, shards: list[str]) -> StoredScheme | None:
         """The stored scheme of our module `name` (a fused module: of its checkpoint
@@ -135,9 +140,14 @@ def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | Non
             )
         stored = StoredScheme(_scheme_of(name, group), fmt)
         groups.append(ConfigGroup(tuple(group.get("targets") or ()), stored))
-    if not groups:
-        raise ValueError("the checkpoint's compressed-tensors config has no config_groups")
-    return CheckpointQuantization(tuple(groups), tuple(quant.get("ignore") or ()))
+    kv_cache = read_kv_cache_scheme(quant)
+    if not groups and kv_cache is None:
+        raise ValueError(
+            "the checkpoint's compressed-tensors config has no config_groups and no kv_cache_scheme"
+        )
+    return CheckpointQuantization(
+        tuple(groups), tuple(quant.get("ignore") or ()), kv_cache=kv_cache
+    )
 
 
 def _scheme_of(name: str, group: dict[str, Any]) -> SchemeSpec:

@@ -21,6 +21,7 @@ from minivllm.layers.forward_context import ForwardContext, forward_context
 from minivllm.layers.fused_decode import Avx2FusedDecode, FusedLlamaDecode
 from minivllm.layers.sampler import Sampler
 from minivllm.loader.model_loader import get_model
+from minivllm.quantization.kv_cache import use_kv_scales
 from minivllm.spec_decode.draft_model import DraftModelProposer
 from minivllm.spec_decode.eagle import EagleProposer
 from minivllm.spec_decode.ngram import NgramProposer
@@ -84,6 +85,7 @@ class ModelRunner:
                 "attention; this model's latent (MLA) cache keeps the model's dtype: "
                 "use kv_cache_dtype='auto'"
             )
+        use_kv_scales(self.attention_layers, kv_dtype)
         # verifying k drafts is a decode of 1 + k query tokens
         self.attn_backend = select_attention_backend(
             config.attention_backend, self.kernels, config.decode_query_len, self._spec_type()

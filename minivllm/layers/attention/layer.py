@@ -9,6 +9,7 @@ from torch import nn
 
 from minivllm.layers.attention.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from minivllm.layers.forward_context import get_forward_context
+from minivllm.quantization.kv_cache import scale_for_cache, unscale_output
 
 
 class AttentionLayerBase(nn.Module):
@@ -44,6 +45,10 @@ class Attention(AttentionLayerBase):
         self.scale = scale
         self.sliding_window = sliding_window
         self.kv_cache = torch.empty(0)
+        # an fp8 cache with a checkpoint's scales (quantization/kv_cache.py): [4, Hkv] and
+        # [2, H] fp32, set once the cache's dtype is known; None: keys stored as they are
+        self.kv_scales: torch.Tensor | None = None
+        self.kv_head_scales: torch.Tensor | None = None
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
         return FullAttentionSpec(
@@ -53,12 +58,12 @@ class Attention(AttentionLayerBase):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H*D], k and v: [T, Hkv*D] -> [T, H*D]."""
         backend, metadata = get_forward_context().attention
-        out = backend.forward(
-            self,
-            q.view(-1, self.num_heads, self.head_dim),
-            k.view(-1, self.num_kv_heads, self.head_dim),
-            v.view(-1, self.num_kv_heads, self.head_dim),
-            self.kv_cache,
-            metadata,
-        )
-        return out.view(-1, self.num_heads * self.head_dim)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.kv_scales is not None:
+            q, k, v = scale_for_cache(self, q, k, v)
+        out = backend.forward(self, q, k, v, self.kv_cache, metadata)
+        if self.kv_scales is not None:
+            out = unscale_output(self, out.view(-1, self.num_heads, self.head_dim))
+        return out.reshape(-1, self.num_heads * self.head_dim)

@@ -1,0 +1,223 @@
+"""fp8 KV-cache scales from compressed-tensors checkpoints (`kv_cache_scheme`).
+
+llm-compressor calibrates, per attention layer, the largest key and value it sees (after
+the rotary embedding) and stores `k_scale` = amax|k| / 448 and `v_scale` likewise (e4m3's
+largest finite value), one per layer (strategy "tensor") or one per KV head ("attn_head"),
+under `model.layers.N.self_attn.{k,v}_scale` (older files: `self_attn.{k,v}_proj.output_scale`).
+An engine with an fp8 KV cache stores fp8(k / k_scale) and reads it back times k_scale, so
+keys of any magnitude use e4m3's whole range: without scales a layer whose keys are small
+lands them among e4m3's few subnormals (below 2^-6), or one whose keys are large saturates.
+
+How the scales are applied (`Attention.forward` and the AVX2 fused decode step): the cache
+stores k * (1 / k_scale) and v * (1 / v_scale); scores are q . (k_scale k_stored), computed
+as (k_scale q) . k_stored; the output sum_t p_t v_scale v_stored as v_scale sum_t p_t
+v_stored. So every attention kernel reads scaled caches unchanged, per tensor or per head.
+Scales apply only to an fp8 cache (as vLLM: a bf16 cache keeps the keys as they are), and
+with `kv_cache_dtype="auto"` a checkpoint that declares fp8 KV gets an fp8 cache
+(vLLM's resolution since its issue #34752). `q_scale` and `prob_scale`, which only an
+fp8 attention computation would use, are read and left unused.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("minivllm")
+
+STRATEGIES = ("tensor", "attn_head")
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# checkpoint leaf names (under `self_attn.`) -> our Attention layer's parameter
+_ALIASES = {
+    "k_scale": "k_scale",
+    "v_scale": "v_scale",
+    "k_proj.output_scale": "k_scale",
+    "v_proj.output_scale": "v_scale",
+}
+# read and not used: only fp8 attention arithmetic needs them
+_UNUSED = ("q_scale", "prob_scale", "q_proj.output_scale")
+_ABSENT = -1.0  # a scale the checkpoint did not hold (replaced by 1.0, with a warning)
+
+
+@dataclass(frozen=True)
+class KVCacheScheme:
+    """A checkpoint's fp8 KV-cache quantization: one scale per layer or per KV head."""
+
+    strategy: str
+
+    def __str__(self) -> str:
+        per = "layer" if self.strategy == "tensor" else "KV head"
+        return f"fp8 KV cache, a scale per {per}"
+
+
+def read_kv_cache_scheme(quant: dict[str, Any]) -> KVCacheScheme | None:
+    """The `kv_cache_scheme` of a compressed-tensors `quantization_config`, or None; a
+    scheme other than static fp8 per tensor or attention head is an error naming it."""
+    args = quant.get("kv_cache_scheme")
+    if not args:
+        return None
+    bits, kind = args.get("num_bits"), args.get("type", "int")
+    strategy, dynamic = args.get("strategy") or "tensor", args.get("dynamic", False)
+    if bits != 8 or kind != "float" or dynamic or not args.get("symmetric", True):
+        raise ValueError(
+            f"the checkpoint's kv_cache_scheme ({bits}-bit {kind}, dynamic={dynamic}, "
+            f"symmetric={args.get('symmetric', True)}) is not one minivllm loads: it reads "
+            "static symmetric fp8 (8-bit float) KV-cache scales"
+        )
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"the checkpoint's kv_cache_scheme uses strategy {strategy!r}; minivllm reads "
+            f"{' and '.join(repr(s) for s in STRATEGIES)} scales"
+        )
+    return KVCacheScheme(strategy)
+
+
+def resolve_kv_cache_dtype(requested: str, scheme: KVCacheScheme | None, hf_config: Any) -> str:
+    """kv_cache_dtype as the engine runs it: "auto" becomes "fp8" where the checkpoint
+    declares an fp8 KV cache (vLLM's resolution), except for a latent (MLA) cache, which
+    keeps the model's dtype (logged)."""
+    if requested != "auto" or scheme is None:
+        return requested
+    if getattr(hf_config, "kv_lora_rank", None):
+        logger.warning(
+            "the checkpoint declares an fp8 KV cache, but this model's latent (MLA) cache "
+            "keeps the model's dtype: its KV-cache scales go unused"
+        )
+        return requested
+    logger.info("kv_cache_dtype 'auto': the checkpoint's kv_cache_scheme asks for fp8 (%s)", scheme)
+    return "fp8"
+
+
+def checkpoint_target(name: str) -> str | None:
+    """Our parameter for checkpoint tensor `name` if it is a KV-cache scale (`...self_attn.
+    k_scale` -> `...self_attn.attn.k_scale`), "" for one read and left unused, else None."""
+    head, sep, leaf = name.partition(".self_attn.")
+    if not sep:
+        return None
+    if leaf in _ALIASES:
+        return f"{head}.self_attn.attn.{_ALIASES[leaf]}"
+    return "" if leaf in _UNUSED else None
+
+
+def add_kv_scale_parameters(model: nn.Module, scheme: KVCacheScheme) -> None:
+    """Give each full-attention layer `k_scale` and `v_scale` parameters, fp32, one value per
+    local KV head (a per-layer scale repeated), which the checkpoint may fill."""
+    from minivllm.layers.attention.layer import Attention
+
+    for layer in model.modules():
+        if type(layer) is not Attention:
+            continue
+        for which in ("k_scale", "v_scale"):
+            param = nn.Parameter(
+                torch.full((layer.num_kv_heads,), _ABSENT, dtype=torch.float32),
+                requires_grad=False,
+            )
+            param.weight_loader = _ScaleLoader(layer.num_kv_heads, scheme.strategy)
+            param.raw_checkpoint_tensor = True
+            param.optional_checkpoint_tensor = True  # vLLM: 1.0 where a checkpoint has none
+            layer.register_parameter(which, param)
+
+
+class _ScaleLoader:
+    """A checkpoint scale into a layer's [local KV heads] parameter: one value (strategy
+    "tensor") or one per KV head of the model ("attn_head", [H, 1, 1] as compressed-tensors
+    shapes it), this rank's heads taken as QKVParallelLinear splits them."""
+
+    def __init__(self, local_heads: int, strategy: str) -> None:
+        self.local_heads, self.strategy = local_heads, strategy
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
+        from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size
+
+        values = loaded.detach().to(torch.float32).reshape(-1)
+        if self.strategy == "tensor" and values.numel() != 1:
+            raise ValueError(
+                f"a per-tensor KV-cache scale holds one value, got shape {tuple(loaded.shape)}"
+            )
+        if self.strategy == "attn_head":
+            total = self.local_heads * get_tp_size()
+            replicas = 1
+            if values.numel() < total:  # fewer KV heads than ranks: each head replicated
+                replicas = total // max(values.numel(), 1)
+            if values.numel() * replicas != total:
+                raise ValueError(
+                    f"a per-head KV-cache scale has {values.numel()} values, expected one per "
+                    f"KV head ({total // replicas})"
+                )
+            start = get_tp_rank() // replicas * self.local_heads
+            values = values[start : start + self.local_heads]
+        if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+            raise ValueError(f"KV-cache scales must be finite and positive, got {values.tolist()}")
+        param.data.copy_(values.expand(self.local_heads))
+
+
+def use_kv_scales(layers: list[nn.Module], kv_dtype: torch.dtype) -> None:
+    """Once the checkpoint is in and the cache's dtype known: layers whose scales the
+    checkpoint left out take 1.0 (logged); with an fp8 cache each layer keeps its
+    `kv_scales` [4, local KV heads] fp32 (k_scale, v_scale, 1 / k_scale, 1 / v_scale, for
+    the fused step) and `kv_head_scales` [2, local query heads] (k_scale, v_scale of each
+    query head's KV head), else none (the scales go unused)."""
+    scaled = [
+        layer for layer in layers if isinstance(getattr(layer, "k_scale", None), nn.Parameter)
+    ]
+    absent = 0
+    for layer in scaled:
+        for param in (layer.k_scale, layer.v_scale):
+            if bool((param.data == _ABSENT).any()):
+                param.data.fill_(1.0)
+                absent += 1
+        if kv_dtype in FP8_DTYPES:
+            k, v = layer.k_scale.data, layer.v_scale.data
+            layer.kv_scales = torch.stack([k, v, 1 / k, 1 / v]).contiguous()
+            group = layer.num_heads // layer.num_kv_heads
+            layer.kv_head_scales = torch.stack([k, v]).repeat_interleave(group, dim=1)
+        else:
+            layer.kv_scales = layer.kv_head_scales = None
+    if absent:
+        logger.warning(
+            "the checkpoint declares an fp8 KV cache but holds no scale for %d of %d k/v "
+            "scales: those use 1.0",
+            absent,
+            2 * len(scaled),
+        )
+    if scaled and kv_dtype in FP8_DTYPES:
+        heads = {tuple(layer.k_scale.shape) for layer in scaled}
+        ks = torch.cat([layer.k_scale.data for layer in scaled])
+        logger.info(
+            "KV cache in %s with the checkpoint's scales (%d layers, %s per layer; k_scale "
+            "%.3g..%.3g)",
+            str(kv_dtype).removeprefix("torch."),
+            len(scaled),
+            "x".join(str(n) for n in heads.pop()),
+            float(ks.min()),
+            float(ks.max()),
+        )
+    elif scaled:
+        logger.info(
+            "the checkpoint's fp8 KV-cache scales go unused: the KV cache is %s",
+            str(kv_dtype).removeprefix("torch."),
+        )
+
+
+def scale_for_cache(
+    layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k and v [T, Hkv, D] as the attention backends take them with `layer`'s
+    scaled cache: k_scale q (each query head by its KV head's scale), k / k_scale, v / v_scale
+    (as multiplications by the reciprocals, which the fused step repeats bit for bit)."""
+    scales, per_q_head = layer.kv_scales, layer.kv_head_scales
+    return (
+        q * per_q_head[0][:, None].to(q.dtype),
+        k * scales[2][:, None].to(k.dtype),
+        v * scales[3][:, None].to(v.dtype),
+    )
+
+
+def unscale_output(layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
+    """The attention output [T, H, D] read from `layer`'s scaled cache, times v_scale."""
+    return out * layer.kv_head_scales[1][:, None].to(out.dtype)

@@ -1,0 +1,236 @@
+"""fp8 KV-cache scales from compressed-tensors checkpoints (`kv_cache_scheme`).
+
+The checkpoints: a tiny Qwen3 whose keys and values are made small (k_norm's and v_proj's
+weights times 1e-3, q_norm's and o_proj's times 1e3: the same function), so that unscaled
+e4m3 stores them among its few subnormals and scaled e4m3 keeps 3 mantissa bits. Their
+scales are calibrated as llm-compressor does (tests/compressed_tensors_utils.py). The
+oracle is transformers with a cache storing fp8(k / k_scale) * k_scale (and v alike):
+our logprobs must match it, and sit far closer to it than to transformers with an
+unscaled fp8 cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from minivllm import LLM, SamplingParams
+from minivllm.layers.attention.torch_backend import to_cache_dtype
+from minivllm.quantization.kv_cache import checkpoint_target
+from tests.compressed_tensors_utils import add_fp8_kv_cache_scales
+from tests.conftest import needs_avx2
+from tests.test_kv_cache_dtype import assert_closer_to_oracle, scored_generations
+
+CALIBRATION = [[5 + (i * 13 + j * 7) % 200 for j in range(24)] for i in range(3)]
+_built: dict[str, tuple[Path, Path, list]] = {}
+
+
+def _small_kv_model(make_checkpoint, tmp_path_factory) -> Path:
+    """make_checkpoint's Qwen3 with keys and values 1e-3 their size (the same function)."""
+    from transformers import AutoModelForCausalLM
+
+    src = make_checkpoint("Qwen3ForCausalLM")
+    out = tmp_path_factory.mktemp("small-kv")
+    hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            attn = layer.self_attn
+            attn.k_norm.weight.mul_(1e-3)
+            attn.q_norm.weight.mul_(1e3)
+            attn.v_proj.weight.mul_(1e-3)
+            attn.o_proj.weight.mul_(1e3)
+    hf.save_pretrained(out)
+    for f in Path(src).iterdir():
+        if not (out / f.name).exists():
+            (out / f.name).write_bytes(f.read_bytes())
+    return out
+
+
+def _checkpoint(make_checkpoint, tmp_path_factory, strategy: str) -> tuple[Path, Path, list]:
+    """(plain model, the same with an fp8 kv_cache_scheme, its scales per layer)."""
+    if strategy not in _built:
+        if "plain" not in _built:
+            _built["plain"] = (_small_kv_model(make_checkpoint, tmp_path_factory), None, None)
+        plain = _built["plain"][0]
+        out = tmp_path_factory.mktemp(f"fp8-kv-{strategy}")
+        scales = add_fp8_kv_cache_scales(plain, out, strategy, CALIBRATION)
+        _built[strategy] = (plain, out, scales)
+    return _built[strategy]
+
+
+def _hf_logprobs(hf, ids: list[int], scales: list | None) -> torch.Tensor:
+    """transformers storing fp8 e4m3 keys and values, scaled by `scales` (None: unscaled)."""
+    from transformers.cache_utils import DynamicCache
+
+    class ScaledFp8Cache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            def rounded(x, s):  # x [batch, Hkv, T, D], s [Hkv]
+                s = s.view(1, -1, 1, 1)
+                return to_cache_dtype(x / s, torch.float8_e4m3fn).to(x.dtype) * s
+
+            one = torch.ones(key_states.shape[1])
+            ks, vs = scales[layer_idx] if scales is not None else (one, one)
+            return super().update(
+                rounded(key_states, ks), rounded(value_states, vs), layer_idx, *args, **kwargs
+            )
+
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids]), cache=ScaledFp8Cache(), use_cache=True).logits
+    return logits[0].log_softmax(-1)
+
+
+def _llm(model: Path, **kwargs) -> LLM:
+    options = dict(
+        dtype="float32",
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=128,
+        block_size=4,
+        max_num_batched_tokens=8,
+    )
+    return LLM(str(model), **{**options, **kwargs})
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "attn_head"])
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+def test_checkpoint_scales_match_transformers(
+    make_checkpoint, tmp_path_factory, strategy, cpu_kernels
+):
+    """kv_cache_dtype "auto" on a checkpoint declaring fp8 KV: an fp8 cache with its
+    scales, prompts in chunks of 8 (later chunks read the scaled cache back) and greedy
+    decodes, on the kernels (the fused decode step included) and the torch path.
+
+    The bound is the unscaled-rounding test's (test_kv_cache_dtype.py): both sides round
+    keys that differ by ~1e-6 relatively, and we multiply by 1 / scale where the oracle
+    divides (one ulp). Unscaled fp8 must sit at least 10x further away on average."""
+    from transformers import AutoModelForCausalLM
+
+    plain, model, scales = _checkpoint(make_checkpoint, tmp_path_factory, strategy)
+    if strategy == "attn_head":  # the calibration saw heads of different sizes
+        assert not torch.equal(scales[0][0][0], scales[0][0][1])
+    llm = _llm(model, cpu_kernels=cpu_kernels)
+    runner = llm.llm_engine.executor.runner
+    assert llm.llm_engine.config.cache.cache_dtype == "fp8"
+    assert all(layer.kv_cache.dtype == torch.float8_e4m3fn for layer in runner.attention_layers)
+    for layer, (ks, vs) in zip(runner.attention_layers, scales, strict=True):
+        assert torch.equal(layer.kv_scales[0], ks) and torch.equal(layer.kv_scales[1], vs)
+    if cpu_kernels:
+        assert runner.fused_decode is not None
+    outs = scored_generations(llm)
+    hf = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    assert_closer_to_oracle(
+        outs, lambda ids: _hf_logprobs(hf, ids, scales), lambda ids: _hf_logprobs(hf, ids, None)
+    )
+
+
+@needs_avx2
+def test_fused_step_with_scales_equals_the_per_layer_path(make_checkpoint, tmp_path_factory):
+    """The AVX2 one-call decode step applies the scales as Attention.forward does: equal
+    tokens and logprobs, bit for bit."""
+    from minivllm.layers.fused_decode import Avx2FusedDecode
+    from tests.test_avx2_decode import _greedy
+
+    _, model, _ = _checkpoint(make_checkpoint, tmp_path_factory, "attn_head")
+    llm = _llm(model, max_num_batched_tokens=64, max_model_len=64, enable_prefix_caching=False)
+    fused = llm.llm_engine.executor.runner.fused_decode
+    assert isinstance(fused, Avx2FusedDecode)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 1, 7, 13)]
+    assert _greedy(llm, prompts, fused) == _greedy(llm, prompts, None)
+
+
+def test_an_explicit_cache_dtype_leaves_the_scales_unused(
+    make_checkpoint, tmp_path_factory, caplog
+):
+    """kv_cache_dtype="bfloat16" on the same checkpoint: a bf16 cache, keys stored as they
+    are, the same tokens as the plain model with a bf16 cache."""
+    plain, model, _ = _checkpoint(make_checkpoint, tmp_path_factory, "tensor")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (4, 11)]
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        llm = _llm(model, kv_cache_dtype="bfloat16")
+    assert "scales go unused" in caplog.text
+    runner = llm.llm_engine.executor.runner
+    assert all(layer.kv_scales is None for layer in runner.attention_layers)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    want = _llm(plain, kv_cache_dtype="bfloat16").generate(prompts, params, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in want]
+
+
+def test_missing_scales_default_to_one(make_checkpoint, tmp_path_factory, caplog):
+    """A checkpoint declaring fp8 KV whose files lack some scales: those are 1.0, with a
+    warning (vLLM's behaviour), and the others load."""
+    _, model, scales = _checkpoint(make_checkpoint, tmp_path_factory, "tensor")
+    out = tmp_path_factory.mktemp("fp8-kv-partial")
+    for f in model.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    (weights,) = list(out.glob("*.safetensors"))
+    tensors = load_file(weights)
+    del tensors["model.layers.1.self_attn.v_scale"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        llm = _llm(out)
+    assert "no scale for 1 of 4 k/v scales" in caplog.text
+    layers = llm.llm_engine.executor.runner.attention_layers
+    assert torch.equal(layers[1].kv_scales[1], torch.ones(2))
+    assert torch.equal(layers[1].kv_scales[0], scales[1][0])
+
+
+def _with_config(src: Path, out: Path, edit) -> Path:
+    for f in src.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    edit(config)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_kv_cache_scheme_errors(make_checkpoint, tmp_path_factory):
+    _, model, _ = _checkpoint(make_checkpoint, tmp_path_factory, "tensor")
+
+    def int8_kv(config):
+        config["quantization_config"]["kv_cache_scheme"].update(num_bits=8, type="int")
+
+    bad = _with_config(model, tmp_path_factory.mktemp("int8-kv"), int8_kv)
+    with pytest.raises(ValueError, match="static symmetric fp8"):
+        _llm(bad)
+
+    def channel_kv(config):
+        config["quantization_config"]["kv_cache_scheme"]["strategy"] = "channel"
+
+    bad = _with_config(model, tmp_path_factory.mktemp("channel-kv"), channel_kv)
+    with pytest.raises(ValueError, match="strategy 'channel'"):
+        _llm(bad)
+
+    negative = tmp_path_factory.mktemp("negative-kv")
+    _with_config(model, negative, lambda config: None)
+    (weights,) = list(negative.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.layers.0.self_attn.k_scale"] = -tensors["model.layers.0.self_attn.k_scale"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="finite and positive"):
+        _llm(negative)
+
+    # the scales without the scheme that declares them are unexpected weights
+    undeclared = tmp_path_factory.mktemp("undeclared-kv")
+    _with_config(model, undeclared, lambda config: config.pop("quantization_config"))
+    with pytest.raises(ValueError, match="unexpected weight 'model.layers.0.self_attn.k_scale'"):
+        _llm(undeclared)
+
+
+def test_checkpoint_names():
+    assert (
+        checkpoint_target("model.layers.3.self_attn.k_scale")
+        == "model.layers.3.self_attn.attn.k_scale"
+    )
+    assert (
+        checkpoint_target("model.layers.0.self_attn.v_proj.output_scale")
+        == "model.layers.0.self_attn.attn.v_scale"
+    )
+    assert checkpoint_target("model.layers.0.self_attn.q_scale") == ""
+    assert checkpoint_target("model.layers.0.self_attn.k_proj.weight") is None
+    assert checkpoint_target("model.layers.0.mlp.k_scale") is None
