@@ -73,6 +73,8 @@ import torch
 from tests.conftest import TINY
 
 SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "int4_w4a8", "fp8_w8a16")
+# llm-compressor's fp8 presets with fp8 activations, which minivllm runs as fp8_w8a16
+FP8_PRESETS = {"fp8_dynamic": "fp8_w8a16", "fp8_static": "fp8_w8a16"}
 # conftest's tiny shape, with head_dim 32 (Qwen3's) and an untied LM head
 TINY_QWEN3 = {**TINY, "head_dim": 32, "vocab_size": 256, "tie_word_embeddings": False}
 
@@ -93,16 +95,22 @@ def _quant_scheme(scheme: str, group_size: int, asymmetric: bool, format: str | 
             group_size=group_size,
             symmetric=not asymmetric,
         )
-    elif scheme == "fp8_w8a16":
+    elif scheme in ("fp8_w8a16", "fp8_dynamic"):
         w = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
+    elif scheme == "fp8_static":
+        w = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
     else:
         raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
-    return QuantizationScheme(
-        targets=["Linear"],
-        weights=w,
-        format=format,
-        input_activations=int_act if scheme in ("int8_w8a8", "int4_w4a8") else None,
-    )
+    acts = int_act if scheme in ("int8_w8a8", "int4_w4a8") else None
+    if scheme == "fp8_dynamic":  # llm-compressor's FP8_DYNAMIC preset
+        acts = QuantizationArgs(
+            num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True
+        )
+    elif scheme == "fp8_static":  # its FP8 preset: static per-tensor activation scales
+        acts = QuantizationArgs(
+            num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False
+        )
+    return QuantizationScheme(targets=["Linear"], weights=w, format=format, input_activations=acts)
 
 
 @torch.no_grad()
@@ -116,6 +124,8 @@ def _calibrate_weight(module: torch.nn.Module) -> None:
     w = module.weight
     if args.strategy == "channel":
         lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    elif args.strategy == "tensor":
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
     else:  # group
         g = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
@@ -123,6 +133,8 @@ def _calibrate_weight(module: torch.nn.Module) -> None:
     module.weight_scale.copy_(scale)
     if hasattr(module, "weight_zero_point"):
         module.weight_zero_point.copy_(zp)
+    if hasattr(module, "input_scale"):  # a static activation scale (unused by minivllm)
+        module.input_scale.fill_(0.05)
     module.quantization_status = QuantizationStatus.FROZEN
 
 
@@ -170,7 +182,7 @@ def make_compressed_checkpoint(
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             quantized = getattr(mod, "quantization_scheme", None) is not None
-            layout[name] = scheme if quantized else "unquantized"
+            layout[name] = FP8_PRESETS.get(scheme, scheme) if quantized else "unquantized"
             if quantized:
                 _calibrate_weight(mod)
     compressor = ModelCompressor.from_pretrained_model(model)
@@ -266,13 +278,6 @@ def _self_check(tmpdir: str) -> None:
         )
 
 
-if __name__ == "__main__":
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        _self_check(tmp)
-
-
 # ----------------------------------------------------------------- fp8 KV-cache scales
 @torch.no_grad()
 def add_fp8_kv_cache_scales(
@@ -343,3 +348,10 @@ def add_fp8_kv_cache_scales(
         if not os.path.exists(os.path.join(out, name)) and "safetensors" not in name:
             shutil.copy(os.path.join(src, name), os.path.join(out, name))
     return scales
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        _self_check(tmp)

@@ -18,7 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from minivllm import LLM, SamplingParams
-from tests.compressed_tensors_utils import dequantize_reference, make_compressed_checkpoint
+from tests.compressed_tensors_utils import (
+    FP8_PRESETS,
+    dequantize_reference,
+    make_compressed_checkpoint,
+)
 from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match
 
 IGNORE = ["re:.*layers\\.1\\.self_attn.*"]
@@ -66,7 +70,8 @@ def _oracle_logprobs(path: str, online: dict[str, tuple] | None = None):
     del config.quantization_config
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     group = next(iter(qcfg["config_groups"].values()))
-    w8a8 = group.get("input_activations") is not None
+    # int8 activations are rounded per token; fp8 ones (FP8 presets) run unquantized
+    w8a8 = (group.get("input_activations") or {}).get("type") == "int"
     # int4 W4A8 runs as int4_w4a8: activations rounded per token and weight group
     act_group = group["weights"]["group_size"] if group["weights"]["num_bits"] == 4 else None
     state = {}
@@ -82,7 +87,11 @@ def _oracle_logprobs(path: str, online: dict[str, tuple] | None = None):
             module.register_forward_pre_hook(
                 lambda _m, args: (_per_token_round_trip(args[0], act_group),)
             )
-    state |= {k: v.float() for k, v in tensors.items() if "weight_" not in k and k not in state}
+    state |= {
+        k: v.float()
+        for k, v in tensors.items()
+        if "weight_" not in k and not k.endswith("input_scale") and k not in state
+    }
     hf.load_state_dict(state, strict=True)
     return hf
 
@@ -117,16 +126,25 @@ def _compare(llm: LLM, hf) -> None:
         ("int4_w4a8", {}),
         ("int4_w4a8", {"asymmetric": True}),
         ("fp8_w8a16", {}),
+        ("fp8_dynamic", {}),
+        ("fp8_static", {}),
     ],
 )
 def test_stored_layers_load_as_stored(tmp_path, scheme, options) -> None:
+    """Each scheme against transformers holding the dequantized weights. llm-compressor's
+    FP8 presets (fp8 activations, per token or static; FP8's weight scales per tensor, so
+    the fused q/k/v and gate/up layers hold one scale per shard) run as fp8_w8a16."""
     path = str(tmp_path / "ckpt")
     layout = make_compressed_checkpoint(path, scheme, IGNORE, **options)
     llm = _engine(path)
     ours = _ours(llm)
     assert ours == _expected(layout)
     assert ours["model.layers.1.self_attn.qkv_proj"] == "unquantized"
-    assert ours["model.layers.0.mlp.down_proj"] == scheme
+    assert ours["model.layers.0.mlp.down_proj"] == FP8_PRESETS.get(scheme, scheme)
+    if scheme == "fp8_static":  # one scale per shard: q, k and v differ
+        qkv = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+        scales = qkv.quant_method.quant_weights.scale
+        assert len(set(scales.tolist())) == 3
     _compare(llm, _oracle_logprobs(path))
 
 

@@ -118,12 +118,30 @@ def test_checkpoint_scales_match_transformers(
     assert all(layer.kv_cache.dtype == torch.float8_e4m3fn for layer in runner.attention_layers)
     for layer, (ks, vs) in zip(runner.attention_layers, scales, strict=True):
         assert torch.equal(layer.kv_scales[0], ks) and torch.equal(layer.kv_scales[1], vs)
-    if cpu_kernels:
-        assert runner.fused_decode is not None
+    if cpu_kernels and runner.kernels.op("avx2_decode_layers") is not None:
+        assert runner.fused_decode is not None  # the AVX2 one-call step, scales and all
     outs = scored_generations(llm)
     hf = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
     assert_closer_to_oracle(
         outs, lambda ids: _hf_logprobs(hf, ids, scales), lambda ids: _hf_logprobs(hf, ids, None)
+    )
+
+
+def test_a_bf16_engine_with_scales(make_checkpoint, tmp_path_factory):
+    """A bf16 engine with kv_cache_dtype="fp8" on the same checkpoint: the scaling runs in
+    fp32 and rounds once, so the logprobs follow the scaled oracle (within bf16's noise)
+    and stay far from the unscaled one."""
+    from transformers import AutoModelForCausalLM
+
+    plain, model, scales = _checkpoint(make_checkpoint, tmp_path_factory, "attn_head")
+    llm = _llm(model, dtype="bfloat16", kv_cache_dtype="fp8")
+    assert llm.llm_engine.executor.runner.attention_layers[0].kv_scales is not None
+    hf = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    assert_closer_to_oracle(
+        scored_generations(llm),
+        lambda ids: _hf_logprobs(hf, ids, scales),
+        lambda ids: _hf_logprobs(hf, ids, None),
+        bound=0.1,
     )
 
 
@@ -161,23 +179,24 @@ def test_an_explicit_cache_dtype_leaves_the_scales_unused(
     assert got == [o.outputs[0].token_ids for o in want]
 
 
-def test_missing_scales_default_to_one(make_checkpoint, tmp_path_factory, caplog):
-    """A checkpoint declaring fp8 KV whose files lack some scales: those are 1.0, with a
-    warning (vLLM's behaviour), and the others load."""
+def test_missing_scales(make_checkpoint, tmp_path_factory, caplog):
+    """A checkpoint declaring fp8 KV whose files lack scales, as vLLM reads one: a layer
+    with neither uses 1.0, one with only k_scale uses it for v too; with a warning."""
     _, model, scales = _checkpoint(make_checkpoint, tmp_path_factory, "tensor")
-    out = tmp_path_factory.mktemp("fp8-kv-partial")
-    for f in model.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
+    out = _with_config(model, tmp_path_factory.mktemp("fp8-kv-partial"), lambda config: None)
     (weights,) = list(out.glob("*.safetensors"))
     tensors = load_file(weights)
-    del tensors["model.layers.1.self_attn.v_scale"]
+    for name in ("0.self_attn.k_scale", "0.self_attn.v_scale", "1.self_attn.v_scale"):
+        del tensors[f"model.layers.{name}"]
     save_file(tensors, weights, metadata={"format": "pt"})
     with caplog.at_level(logging.WARNING, logger="minivllm"):
         llm = _llm(out)
-    assert "no scale for 1 of 4 k/v scales" in caplog.text
+    assert "of 2 attention layers 1 hold no scale (1.0 used) and 1 only one" in caplog.text
     layers = llm.llm_engine.executor.runner.attention_layers
-    assert torch.equal(layers[1].kv_scales[1], torch.ones(2))
+    assert torch.equal(layers[0].kv_scales[:2], torch.ones(2, 2))
     assert torch.equal(layers[1].kv_scales[0], scales[1][0])
+    assert torch.equal(layers[1].kv_scales[1], scales[1][0])
+    assert bool((layers[1].v_scale.data < 0).all())  # the parameter itself is left as loaded
 
 
 def _with_config(src: Path, out: Path, edit) -> Path:
@@ -234,3 +253,79 @@ def test_checkpoint_names():
     assert checkpoint_target("model.layers.0.self_attn.q_scale") == ""
     assert checkpoint_target("model.layers.0.self_attn.k_proj.weight") is None
     assert checkpoint_target("model.layers.0.mlp.k_scale") is None
+
+
+@pytest.mark.parametrize(("tp_size", "heads"), [(1, 4), (2, 4), (4, 2), (2, 1)])
+def test_per_head_scales_split_as_the_kv_heads(monkeypatch, tp_size, heads):
+    """Each rank takes its KV heads' scales as QKVParallelLinear takes their rows, a head
+    on tp_size / heads consecutive ranks when there are fewer heads than ranks; a scale of
+    the wrong size is an error naming the expected count."""
+    from minivllm.distributed import parallel_state
+    from minivllm.quantization.kv_cache import _ScaleLoader
+
+    values = torch.arange(1, heads + 1, dtype=torch.float32).view(heads, 1, 1)
+    local = max(1, heads // tp_size)
+    replicas = max(1, tp_size // heads)
+    for rank in range(tp_size):
+        monkeypatch.setattr(parallel_state, "get_tp_rank", lambda r=rank: r)
+        monkeypatch.setattr(parallel_state, "get_tp_size", lambda: tp_size)
+        param = torch.nn.Parameter(torch.zeros(local), requires_grad=False)
+        _ScaleLoader(local, heads, "attn_head")(param, values, None)
+        first = rank // replicas * local
+        assert param.tolist() == [float(h + 1) for h in range(first, first + local)]
+        with pytest.raises(ValueError, match=f"one value per KV head \\({heads}\\)"):
+            _ScaleLoader(local, heads, "attn_head")(
+                param, values[:-1] if heads > 1 else values.repeat(2, 1, 1), None
+            )
+
+
+def test_a_latent_cache_leaves_the_scales_unused(tmp_path, caplog):
+    """A DeepSeek-style (MLA) checkpoint declaring fp8 KV: the latent cache keeps the
+    model's dtype, the scales are read and unused, with a warning."""
+    from minivllm.loader.hub import resolve_model_path
+
+    src = Path(resolve_model_path("demo-sparse"))
+    out = _with_config(src, tmp_path, _declare_fp8_kv)
+    (weights,) = list(out.glob("*.safetensors"))
+    tensors = load_file(weights)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.01])
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor([0.02])
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        llm = LLM(str(out), dtype="float32", max_model_len=64, kv_cache_memory_bytes=8 << 20)
+    assert "latent (MLA) cache keeps the model's dtype" in caplog.text
+    assert llm.llm_engine.config.cache.cache_dtype == "auto"
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert len(llm.generate(["Hello"], params, use_tqdm=False)[0].outputs[0].token_ids) == 4
+
+
+def _declare_fp8_kv(config: dict) -> None:
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False)
+    config["quantization_config"] = QuantizationConfig(
+        config_groups={}, kv_cache_scheme=args, quantization_status="frozen"
+    ).to_dict()
+
+
+def test_a_draft_model_with_scales(make_checkpoint, tmp_path_factory):
+    """Speculative decoding with the fp8-KV checkpoint as target and draft: the draft's
+    layers load their own scales and share the fp8 pool; greedy tokens equal plain
+    decoding's but at near ties (keys batched differently may round the other way)."""
+    _, model, scales = _checkpoint(make_checkpoint, tmp_path_factory, "attn_head")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": [5 + (i * 7 + j) % 40 for j in range(9 + i)]} for i in range(3)]
+    plain = [o.outputs[0] for o in _llm(model).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+    llm = _llm(model, speculative_config=spec, max_num_batched_tokens=64)
+    drafter = llm.llm_engine.executor.runner.spec_decoder.proposer
+    for layer, (ks, _) in zip(drafter.attention_layers, scales, strict=True):
+        assert torch.equal(layer.kv_scales[0], ks)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for got, want in zip(outs, plain, strict=True):
+        same = [a == b for a, b in zip(got.token_ids, want.token_ids)] + [False]
+        first = same.index(False)
+        if first < len(want.token_ids):
+            top = sorted((lp.logprob for lp in want.logprobs[first].values()), reverse=True)
+            assert top[0] - top[1] < 1e-2, (first, top)
+    assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0

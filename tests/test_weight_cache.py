@@ -384,3 +384,36 @@ def test_key_from_a_peer_without_a_defaulted_field() -> None:
     assert old.draft == "none" and key.mismatched_fields(old) == ["draft"]
     with pytest.raises(ValueError, match="fields differ"):
         WeightCacheKey.from_json({k: v for k, v in full.items() if k != "checkpoint"})
+
+
+def test_fp8_kv_scales_map_read_only(bf16_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint with fp8 KV-cache scales, one layer's missing: the daemon holds the
+    scale parameters as loaded and a zero-copy engine maps them read-only, so the engine
+    derives the missing ones without writing to them; outputs equal a disk load's."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.compressed_tensors_utils import add_fp8_kv_cache_scales
+
+    model = tmp_path / "fp8-kv"
+    model.mkdir()
+    add_fp8_kv_cache_scales(bf16_dir, model, "tensor", [list(range(5, 30))])
+    (weights,) = list(model.glob("*.safetensors"))
+    tensors = load_file(weights)
+    del tensors["model.layers.1.self_attn.k_scale"], tensors["model.layers.1.self_attn.v_scale"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    disk = LLM(str(model), **ENGINE)
+    expected = disk.generate(PROMPTS, GREEDY, use_tqdm=False)
+    disk.llm_engine.shutdown()
+    socket_dir = short_dir()
+    daemon = Daemon(model, socket_dir, tmp_path / "daemon.log").wait_ready()
+    try:
+        extra = {"socket_dir": str(socket_dir), "fallback": False}
+        llm = LLM(str(model), load_format="ipc_cache", model_loader_extra_config=extra, **ENGINE)
+        assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), expected)
+        layer = model_of(llm).model.layers[1].self_attn.attn
+        assert "memfd:minivllm-weights" in mapping_of(layer.k_scale.data_ptr())[1]
+        assert torch.equal(layer.kv_scales[:2], torch.ones(2, layer.num_kv_heads))
+        llm.llm_engine.shutdown()
+    finally:
+        daemon.stop()
+        shutil.rmtree(socket_dir, ignore_errors=True)

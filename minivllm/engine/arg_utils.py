@@ -116,6 +116,7 @@ class EngineArgs:
             self.kv_cache_dtype,
             checkpoint_quantization.kv_cache if checkpoint_quantization else None,
             hf_config,
+            kernels_read_fp8=not bf16_cpu_kernels(device, model.dtype, self.cpu_kernels),
         )
         batched = self.max_num_batched_tokens or max(4096, min(max_model_len, 8192))
         block_size = self.block_size or default_block_size(device)
@@ -154,6 +155,16 @@ class EngineArgs:
                 self.kv_transfer_config, self.attention_config, hf_config
             ),
         )
+
+
+def bf16_cpu_kernels(device: str, dtype: Any, enabled: bool) -> bool:
+    """Whether the engine will run the bf16 CPU kernel family (AVX512-BF16), whose
+    attention reads bf16 caches only."""
+    import torch
+
+    from minivllm.kernels.isa import cpu_has_avx512_bf16
+
+    return enabled and device == "cpu" and dtype == torch.bfloat16 and cpu_has_avx512_bf16()
 
 
 def resolve_weight_cache_config(load_format: str, extra: dict[str, Any] | str | None) -> Any:

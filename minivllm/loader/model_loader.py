@@ -73,7 +73,7 @@ def quantize_layers(model: nn.Module, config: ModelConfig) -> None:
     if checkpoint is not None and checkpoint.kv_cache is not None:
         from minivllm.quantization.kv_cache import add_kv_scale_parameters
 
-        add_kv_scale_parameters(model, checkpoint.kv_cache)
+        add_kv_scale_parameters(model, checkpoint.kv_cache, config.hf_config)
 
 
 def get_model(config: EngineConfig, kernels: Kernels, available_bytes: int | None) -> nn.Module:

@@ -32,6 +32,8 @@ def load_weights_strict(
             continue
         target, shard_id = _map_name(name, packed_modules)
         kv_target = checkpoint_target(name) if target not in params else None
+        if kv_target is not None and getattr(model, "unused_kv_cache_scales", False):
+            continue  # a KV-cache scheme over a latent (MLA) cache: its scales go unused
         if kv_target == "" and any(".k_scale" in p for p in params):
             continue  # q_scale, prob_scale beside a KV-cache scheme: not used
         if kv_target:
@@ -45,7 +47,10 @@ def load_weights_strict(
         if loader is None:
             _copy(param, tensor, name)
         elif getattr(param, "raw_checkpoint_tensor", False):  # its loader unpacks or checks it
-            loader(param, tensor, shard_id)
+            try:
+                loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
         else:
             loader(param, tensor.to(param.dtype), shard_id)
         loaded.add(name)

@@ -39,19 +39,27 @@ _FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantiz
 _SUPPORTED = (
     "int8 weights per channel (symmetric), activations unquantized or dynamic per-token int8; "
     "int4 weights in groups, activations unquantized or dynamic per-token int8; "
-    "fp8 e4m3 weights per channel"
+    "fp8 e4m3 weights per channel or per tensor, activations unquantized or fp8 (run "
+    "unquantized)"
 )
 
 
 @dataclass(frozen=True)
 class StoredScheme:
-    """A scheme as the checkpoint stores it: `format` says how its tensors are laid out."""
+    """A scheme as the checkpoint stores it: `format` says how its tensors are laid out;
+    `per_tensor`: one weight scale per checkpoint tensor (fp8), not per channel;
+    `unused_activations`: activation quantization the checkpoint names and we skip."""
 
     spec: SchemeSpec
     format: str
+    per_tensor: bool = False
+    unused_activations: str = ""
 
     def __str__(self) -> str:
-        return str(self.spec)
+        scale = ", one scale per tensor" if self.per_tensor else ""
+        if not self.unused_activations:
+            return f"{self.spec}{scale}"
+        return f"{self.spec}{scale}; the checkpoint's {self.unused_activations} run unquantized"
 
 
 @dataclass(frozen=True)
@@ -96,7 +104,7 @@ class CheckpointQuantization:
     def method_for(self, stored: StoredScheme, backend: str | None):
         from minivllm.quantization.ct_method import CompressedTensorsLinearMethod
 
-        return CompressedTensorsLinearMethod(stored.spec, backend, stored.format)
+        return CompressedTensorsLinearMethod(stored.spec, backend, stored.format, stored.per_tensor)
 
 
 def _ct_match(target: str, name: str) -> bool:
@@ -138,7 +146,7 @@ def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | Non
                 f"compressed-tensors group {name!r} targets {odd}: minivllm matches the class "
                 "name 'Linear', module names and 're:' patterns"
             )
-        stored = StoredScheme(_scheme_of(name, group), fmt)
+        stored = _stored_scheme(name, group, fmt)
         groups.append(ConfigGroup(tuple(group.get("targets") or ()), stored))
     kv_cache = read_kv_cache_scheme(quant)
     if not groups and kv_cache is None:
@@ -148,6 +156,40 @@ def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | Non
     return CheckpointQuantization(
         tuple(groups), tuple(quant.get("ignore") or ()), kv_cache=kv_cache
     )
+
+
+def _stored_scheme(name: str, group: dict[str, Any], fmt: str) -> StoredScheme:
+    """The group's scheme. fp8 weights with fp8 activations (llm-compressor's FP8_DYNAMIC:
+    per channel, activations per token; its FP8: per tensor, static activation scales)
+    run as fp8_w8a16, as vLLM runs them on GPUs without fp8 arithmetic (weight-only,
+    Marlin): the activations keep the engine's dtype, closer to the unquantized model
+    than the checkpoint's own fp8 rounding, and the static `input_scale`s go unused."""
+    weights = group.get("weights") or {}
+    acts = group.get("input_activations")
+    fp8_acts = (
+        isinstance(acts, dict)
+        and acts.get("num_bits") == 8
+        and acts.get("type") == "float"
+        and acts.get("symmetric", True)
+        and (
+            (acts.get("strategy") == "token" and acts.get("dynamic") is True)
+            or (acts.get("strategy") == "tensor" and acts.get("dynamic") is False)
+        )
+    )
+    if (
+        weights.get("type") == "float"
+        and weights.get("num_bits") == 8
+        and weights.get("symmetric", True)
+        and weights.get("strategy") in ("channel", "tensor")
+        and (acts is None or fp8_acts)
+    ):
+        unused = ""
+        if fp8_acts:
+            dynamic = acts.get("strategy") == "token"
+            unused = "fp8 activations " + ("(dynamic, per token)" if dynamic else "(static scales)")
+        per_tensor = weights.get("strategy") == "tensor"
+        return StoredScheme(SchemeSpec("fp8_w8a16"), fmt, per_tensor, unused)
+    return StoredScheme(_scheme_of(name, group), fmt)
 
 
 def _scheme_of(name: str, group: dict[str, Any]) -> SchemeSpec:
@@ -176,8 +218,6 @@ def _scheme_of(name: str, group: dict[str, Any]) -> SchemeSpec:
             # than the checkpoint asks, at no cost to the kernel (formats.quantize_per_group)
             scheme = "int4_w4a16" if acts is None else "int4_w4a8"
             return SchemeSpec(scheme, group_size, bool(symmetric))
-    if kind == "float" and bits == 8 and strategy == "channel" and symmetric and acts is None:
-        return SchemeSpec("fp8_w8a16")
     raise ValueError(
         f"compressed-tensors group {name!r} uses a scheme minivllm does not load (weights "
         f"{bits}-bit {kind} {strategy}, symmetric={symmetric}, activations {acts}); "

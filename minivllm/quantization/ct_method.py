@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.distributed.parallel_state import get_tp_size
 from minivllm.kernels.registry import Kernels
 from minivllm.layers.linear import RowParallelLinear
 from minivllm.layers.linear_method import WeightLoader
@@ -32,6 +33,12 @@ def unpack_int32(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 class CompressedTensorsLinearMethod(QuantizedLinearMethod):
+    def __init__(
+        self, spec, backend: str | None = None, source: str = "online", per_tensor: bool = False
+    ) -> None:
+        super().__init__(spec, backend, source)
+        self.per_tensor = per_tensor  # fp8: one scale per checkpoint tensor (shard)
+
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
     ) -> None:
@@ -64,9 +71,15 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
             layer.register_parameter("weight_shape", shape)
         scale_cols = input_size // spec.group_size if grouped else 1
         scale_loader = _copy_whole if replicate_scale else weight_loader
+        if self.per_tensor:
+            scale_loader = _per_tensor(scale_loader, output_size * get_tp_size())
         self._add(
             layer, "weight_scale", (output_size, scale_cols), torch.float32, scale_loader, raw=False
         )
+        if spec.scheme == "fp8_w8a16":
+            # a static fp8 checkpoint's activation scales: read, not used (weight-only)
+            self._add(layer, "input_scale", (0,), torch.float32, _ignore)
+            layer.input_scale.optional_checkpoint_tensor = True
         if grouped and not spec.symmetric:
             self._add(
                 layer,
@@ -121,6 +134,28 @@ def _unpacking(loader: WeightLoader, bits: int, count, along_rows: bool = False)
         loader(param, values, shard_id)
 
     return load
+
+
+def _per_tensor(loader: WeightLoader, rows: int) -> WeightLoader:
+    """A per-tensor scale as a per-channel one: the value repeated down a column of `rows`
+    (a layer's full output across ranks, as long as any shard of it), which the layer's
+    own loader then cuts as it cuts the weight's rows (every row has the same value)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.numel() != 1:
+            raise ValueError(
+                f"a per-tensor weight_scale holds one value, got shape {tuple(loaded.shape)}"
+            )
+        column = loaded.reshape(1, 1).expand(rows, 1)
+        if loader is _copy_whole:
+            column = column[: param.shape[0]]
+        loader(param, column, shard_id)
+
+    return load
+
+
+def _ignore(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+    return
 
 
 def _check_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:

@@ -77,11 +77,22 @@ def read_kv_cache_scheme(quant: dict[str, Any]) -> KVCacheScheme | None:
     return KVCacheScheme(strategy)
 
 
-def resolve_kv_cache_dtype(requested: str, scheme: KVCacheScheme | None, hf_config: Any) -> str:
+def resolve_kv_cache_dtype(
+    requested: str, scheme: KVCacheScheme | None, hf_config: Any, kernels_read_fp8: bool = True
+) -> str:
     """kv_cache_dtype as the engine runs it: "auto" becomes "fp8" where the checkpoint
     declares an fp8 KV cache (vLLM's resolution), except for a latent (MLA) cache, which
-    keeps the model's dtype (logged)."""
+    keeps the model's dtype, and where the engine's attention kernels do not read fp8
+    (`kernels_read_fp8` False: the bf16 CPU family), where fp8 would move attention to the
+    slower PyTorch path; both logged."""
     if requested != "auto" or scheme is None:
+        return requested
+    if not kernels_read_fp8:
+        logger.warning(
+            "the checkpoint declares an fp8 KV cache, but this engine's attention kernels "
+            "read bf16 caches only: the cache keeps the model's dtype and the scales go "
+            "unused (kv_cache_dtype='fp8' forces fp8, on the slower PyTorch attention)"
+        )
         return requested
     if getattr(hf_config, "kv_lora_rank", None):
         logger.warning(
@@ -104,32 +115,38 @@ def checkpoint_target(name: str) -> str | None:
     return "" if leaf in _UNUSED else None
 
 
-def add_kv_scale_parameters(model: nn.Module, scheme: KVCacheScheme) -> None:
+def add_kv_scale_parameters(model: nn.Module, scheme: KVCacheScheme, hf_config: Any) -> int:
     """Give each full-attention layer `k_scale` and `v_scale` parameters, fp32, one value per
-    local KV head (a per-layer scale repeated), which the checkpoint may fill."""
+    local KV head (a per-layer scale repeated), which the checkpoint may fill. Returns how
+    many layers took them; where none can (a latent MLA cache), the model is marked so that
+    the loader reads the checkpoint's scales and leaves them unused."""
     from minivllm.layers.attention.layer import Attention
 
-    for layer in model.modules():
-        if type(layer) is not Attention:
-            continue
+    total_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    layers = [layer for layer in model.modules() if type(layer) is Attention]
+    for layer in layers:
         for which in ("k_scale", "v_scale"):
             param = nn.Parameter(
                 torch.full((layer.num_kv_heads,), _ABSENT, dtype=torch.float32),
                 requires_grad=False,
             )
-            param.weight_loader = _ScaleLoader(layer.num_kv_heads, scheme.strategy)
+            param.weight_loader = _ScaleLoader(layer.num_kv_heads, total_heads, scheme.strategy)
             param.raw_checkpoint_tensor = True
-            param.optional_checkpoint_tensor = True  # vLLM: 1.0 where a checkpoint has none
+            param.optional_checkpoint_tensor = True  # see use_kv_scales for a missing one
             layer.register_parameter(which, param)
+    if not layers:
+        model.unused_kv_cache_scales = True
+    return len(layers)
 
 
 class _ScaleLoader:
     """A checkpoint scale into a layer's [local KV heads] parameter: one value (strategy
     "tensor") or one per KV head of the model ("attn_head", [H, 1, 1] as compressed-tensors
-    shapes it), this rank's heads taken as QKVParallelLinear splits them."""
+    shapes it), this rank's heads taken as QKVParallelLinear splits them (with fewer KV
+    heads than ranks, each head on tp_size / H consecutive ranks)."""
 
-    def __init__(self, local_heads: int, strategy: str) -> None:
-        self.local_heads, self.strategy = local_heads, strategy
+    def __init__(self, local_heads: int, total_heads: int, strategy: str) -> None:
+        self.local_heads, self.total_heads, self.strategy = local_heads, total_heads, strategy
 
     def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object) -> None:
         from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size
@@ -140,15 +157,12 @@ class _ScaleLoader:
                 f"a per-tensor KV-cache scale holds one value, got shape {tuple(loaded.shape)}"
             )
         if self.strategy == "attn_head":
-            total = self.local_heads * get_tp_size()
-            replicas = 1
-            if values.numel() < total:  # fewer KV heads than ranks: each head replicated
-                replicas = total // max(values.numel(), 1)
-            if values.numel() * replicas != total:
+            if values.numel() != self.total_heads:
                 raise ValueError(
-                    f"a per-head KV-cache scale has {values.numel()} values, expected one per "
-                    f"KV head ({total // replicas})"
+                    f"a per-head KV-cache scale holds one value per KV head "
+                    f"({self.total_heads}), got shape {tuple(loaded.shape)}"
                 )
+            replicas = max(1, get_tp_size() // self.total_heads)
             start = get_tp_rank() // replicas * self.local_heads
             values = values[start : start + self.local_heads]
         if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
@@ -157,37 +171,43 @@ class _ScaleLoader:
 
 
 def use_kv_scales(layers: list[nn.Module], kv_dtype: torch.dtype) -> None:
-    """Once the checkpoint is in and the cache's dtype known: layers whose scales the
-    checkpoint left out take 1.0 (logged); with an fp8 cache each layer keeps its
-    `kv_scales` [4, local KV heads] fp32 (k_scale, v_scale, 1 / k_scale, 1 / v_scale, for
-    the fused step) and `kv_head_scales` [2, local query heads] (k_scale, v_scale of each
-    query head's KV head), else none (the scales go unused)."""
+    """Once the checkpoint is in and the cache's dtype known, with an fp8 cache each layer
+    keeps its `kv_scales` [4, local KV heads] fp32 (k_scale, v_scale, 1 / k_scale,
+    1 / v_scale, for the fused step) and `kv_head_scales` [2, local query heads] (k_scale,
+    v_scale of each query head's KV head); with another cache none (the scales go unused).
+    A layer whose checkpoint holds one of its two scales uses it for both, and one holding
+    neither 1.0 (vLLM's rules, logged). The parameters stay as loaded: a weight-cache
+    engine maps them read-only."""
     scaled = [
         layer for layer in layers if isinstance(getattr(layer, "k_scale", None), nn.Parameter)
     ]
-    absent = 0
+    absent = shared = 0
     for layer in scaled:
-        for param in (layer.k_scale, layer.v_scale):
-            if bool((param.data == _ABSENT).any()):
-                param.data.fill_(1.0)
-                absent += 1
+        k, v = layer.k_scale.data, layer.v_scale.data
+        k_absent, v_absent = bool((k == _ABSENT).any()), bool((v == _ABSENT).any())
+        if k_absent and v_absent:
+            k = v = torch.ones_like(k)
+            absent += 1
+        elif k_absent or v_absent:
+            k = v = torch.maximum(k, v)
+            shared += 1
         if kv_dtype in FP8_DTYPES:
-            k, v = layer.k_scale.data, layer.v_scale.data
             layer.kv_scales = torch.stack([k, v, 1 / k, 1 / v]).contiguous()
             group = layer.num_heads // layer.num_kv_heads
             layer.kv_head_scales = torch.stack([k, v]).repeat_interleave(group, dim=1)
         else:
             layer.kv_scales = layer.kv_head_scales = None
-    if absent:
+    if absent or shared:
         logger.warning(
-            "the checkpoint declares an fp8 KV cache but holds no scale for %d of %d k/v "
-            "scales: those use 1.0",
+            "the checkpoint declares an fp8 KV cache but of %d attention layers %d hold no "
+            "scale (1.0 used) and %d only one of k_scale, v_scale (used for both)",
+            len(scaled),
             absent,
-            2 * len(scaled),
+            shared,
         )
     if scaled and kv_dtype in FP8_DTYPES:
         heads = {tuple(layer.k_scale.shape) for layer in scaled}
-        ks = torch.cat([layer.k_scale.data for layer in scaled])
+        ks = torch.cat([layer.kv_scales[0] for layer in scaled])
         logger.info(
             "KV cache in %s with the checkpoint's scales (%d layers, %s per layer; k_scale "
             "%.3g..%.3g)",
@@ -209,15 +229,23 @@ def scale_for_cache(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, H, D], k and v [T, Hkv, D] as the attention backends take them with `layer`'s
     scaled cache: k_scale q (each query head by its KV head's scale), k / k_scale, v / v_scale
-    (as multiplications by the reciprocals, which the fused step repeats bit for bit)."""
+    (as multiplications by the reciprocals, which the fused step repeats bit for bit), in
+    fp32 and rounded once to the engine's dtype (a bf16 scale would be off by up to 2^-9)."""
     scales, per_q_head = layer.kv_scales, layer.kv_head_scales
     return (
-        q * per_q_head[0][:, None].to(q.dtype),
-        k * scales[2][:, None].to(k.dtype),
-        v * scales[3][:, None].to(v.dtype),
+        _times(q, per_q_head[0]),
+        _times(k, scales[2]),
+        _times(v, scales[3]),
     )
 
 
 def unscale_output(layer: nn.Module, out: torch.Tensor) -> torch.Tensor:
     """The attention output [T, H, D] read from `layer`'s scaled cache, times v_scale."""
-    return out * layer.kv_head_scales[1][:, None].to(out.dtype)
+    return _times(out, layer.kv_head_scales[1])
+
+
+def _times(x: torch.Tensor, per_head: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] times per_head [heads] (fp32), computed in fp32."""
+    if x.dtype == torch.float32:
+        return x * per_head[:, None]
+    return (x.float() * per_head[:, None]).to(x.dtype)

@@ -26,6 +26,8 @@ from minivllm.layers.attention.backend import AttentionBackend, build_common_met
 from minivllm.layers.forward_context import ForwardContext, forward_context
 from minivllm.layers.sampler import Sampler
 from minivllm.loader.model_loader import load_model
+from minivllm.quantization.compressed_tensors import read_checkpoint_quantization
+from minivllm.quantization.kv_cache import use_kv_scales
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.spec_decode.proposer import Proposal, TargetHiddenStates, choose_drafts
 from minivllm.worker.request_state import CachedRequestState
@@ -53,6 +55,8 @@ def draft_model_config(config: SpeculativeConfig, engine: EngineConfig) -> Model
         dtype=engine.model.dtype,
         max_model_len=engine.scheduler.max_model_len,
         seed=engine.model.seed,
+        # a compressed-tensors draft loads its quantized layers and fp8 KV-cache scales
+        checkpoint_quantization=read_checkpoint_quantization(hf_config),
     )
 
 
@@ -97,10 +101,11 @@ class SharedCacheDrafter:
             model = load_model(model_config, self.device, kernels, model_cls=model_cls)
         self.model: nn.Module = model
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        kv_dtype = engine.cache.kv_dtype(engine.model.dtype)
         self.kv_cache_specs: list[KVCacheSpec] = [
-            layer.get_kv_cache_spec(self.block_size, engine.cache.kv_dtype(engine.model.dtype))
-            for layer in self.attention_layers
+            layer.get_kv_cache_spec(self.block_size, kv_dtype) for layer in self.attention_layers
         ]
+        use_kv_scales(self.attention_layers, kv_dtype)
         self.backend = backend
         self.sampler = sampler
         self.watermarker = None  # set by the runner when the engine watermarks
