@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from minivllm import LLM, SamplingParams
 from minivllm.layers.attention.torch_backend import to_cache_dtype
-from minivllm.quantization.kv_cache import checkpoint_target
+from minivllm.quantization.kv_cache_scheme import checkpoint_target
 from tests.compressed_tensors_utils import add_fp8_kv_cache_scales
 from tests.conftest import needs_avx2
 from tests.test_kv_cache_dtype import assert_closer_to_oracle, scored_generations

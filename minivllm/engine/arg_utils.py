@@ -23,7 +23,7 @@ from minivllm.hisparse.config import resolve_hisparse_config
 from minivllm.loader.hub import resolve_model_path
 from minivllm.quantization.compressed_tensors import read_checkpoint_quantization
 from minivllm.quantization.config import resolve_quantization
-from minivllm.quantization.kv_cache import resolve_kv_cache_dtype
+from minivllm.quantization.kv_cache_scheme import resolve_kv_cache_dtype
 from minivllm.spec_decode.config import SpeculativeConfig
 from minivllm.watermark.config import WatermarkConfig
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from minivllm.quantization.kv_cache import checkpoint_target
+from minivllm.quantization.kv_cache_scheme import checkpoint_target
 
 # Buffers some older checkpoints carry; they are recomputed, never loaded.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

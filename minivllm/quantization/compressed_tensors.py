@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from minivllm.quantization.config import SchemeSpec
-from minivllm.quantization.kv_cache import KVCacheScheme, read_kv_cache_scheme
+from minivllm.quantization.kv_cache_scheme import KVCacheScheme, read_kv_cache_scheme
 
 _FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _SUPPORTED = (
