@@ -74,7 +74,10 @@ from tests.conftest import TINY
 
 SCHEMES = ("int8_w8a16", "int8_w8a8", "int4_w4a16", "int4_w4a8", "fp8_w8a16")
 # llm-compressor's fp8 presets with fp8 activations, which minivllm runs as fp8_w8a16
-FP8_PRESETS = {"fp8_dynamic": "fp8_w8a16", "fp8_static": "fp8_w8a16"}
+FP8_PRESETS = {"fp8_dynamic": "fp8_w8a16", "fp8_static": "fp8_w8a16", "fp8_block": "fp8_w8a16"}
+# FP8_BLOCK's blocks are 128 x 128; the tiny model's layers take (48 rows, 32 k): the
+# rows leave partial blocks at the bottom, as real shapes can
+FP8_BLOCK = [48, 32]
 # conftest's tiny shape, with head_dim 32 (Qwen3's) and an untied LM head
 TINY_QWEN3 = {**TINY, "head_dim": 32, "vocab_size": 256, "tie_word_embeddings": False}
 
@@ -99,6 +102,10 @@ def _quant_scheme(scheme: str, group_size: int, asymmetric: bool, format: str | 
         w = QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True)
     elif scheme == "fp8_static":
         w = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+    elif scheme == "fp8_block":  # FP8_BLOCK's layout, with blocks that fit the tiny model
+        w = QuantizationArgs(
+            num_bits=8, type="float", strategy="block", block_structure=FP8_BLOCK, symmetric=True
+        )
     else:
         raise ValueError(f"unknown scheme {scheme!r}; expected one of {SCHEMES}")
     acts = int_act if scheme in ("int8_w8a8", "int4_w4a8") else None
@@ -109,6 +116,15 @@ def _quant_scheme(scheme: str, group_size: int, asymmetric: bool, format: str | 
     elif scheme == "fp8_static":  # its FP8 preset: static per-tensor activation scales
         acts = QuantizationArgs(
             num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False
+        )
+    elif scheme == "fp8_block":  # FP8_BLOCK: activations fp8 per group of k, dynamic
+        acts = QuantizationArgs(
+            num_bits=8,
+            type="float",
+            strategy="group",
+            group_size=FP8_BLOCK[1],
+            symmetric=True,
+            dynamic=True,
         )
     return QuantizationScheme(targets=["Linear"], weights=w, format=format, input_activations=acts)
 
@@ -126,6 +142,12 @@ def _calibrate_weight(module: torch.nn.Module) -> None:
         lo, hi = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
     elif args.strategy == "tensor":
         lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    elif args.strategy == "block":
+        rows, cols = args.block_structure
+        n, k = w.shape
+        blocks = torch.nn.functional.pad(w, (0, -k % cols, 0, -n % rows))  # zeros widen nothing
+        blocks = blocks.unflatten(0, (-1, rows)).unflatten(-1, (-1, cols))
+        lo, hi = blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
     else:  # group
         g = w.unflatten(-1, (w.shape[-1] // args.group_size, args.group_size))
         lo, hi = g.amin(dim=-1), g.amax(dim=-1)
@@ -222,6 +244,11 @@ def dequantize_reference(tensors: dict, prefix: str, qcfg: dict) -> torch.Tensor
     if wa["strategy"] == "group":
         scale = scale.repeat_interleave(wa["group_size"], dim=-1)
         zp = zp.repeat_interleave(wa["group_size"], dim=-1)
+    if wa["strategy"] == "block":
+        rows, cols = wa["block_structure"]
+        n, k = q.shape
+        scale = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[:n, :k]
+        zp = torch.zeros_like(scale)
     return ((q.float() - zp.float()) * scale.float()).to(scale.dtype)
 
 

@@ -128,6 +128,7 @@ def _compare(llm: LLM, hf) -> None:
         ("fp8_w8a16", {}),
         ("fp8_dynamic", {}),
         ("fp8_static", {}),
+        ("fp8_block", {}),
     ],
 )
 def test_stored_layers_load_as_stored(tmp_path, scheme, options) -> None:
@@ -141,10 +142,11 @@ def test_stored_layers_load_as_stored(tmp_path, scheme, options) -> None:
     assert ours == _expected(layout)
     assert ours["model.layers.1.self_attn.qkv_proj"] == "unquantized"
     assert ours["model.layers.0.mlp.down_proj"] == FP8_PRESETS.get(scheme, scheme)
+    qkv = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
     if scheme == "fp8_static":  # one scale per shard: q, k and v differ
-        qkv = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
-        scales = qkv.quant_method.quant_weights.scale
-        assert len(set(scales.tolist())) == 3
+        assert len(set(qkv.quant_method.quant_weights.scale.tolist())) == 3
+    if scheme == "fp8_block":  # a scale per row and group of k
+        assert qkv.quant_method.quant_weights.scale.shape == (256, 2)
     _compare(llm, _oracle_logprobs(path))
 
 

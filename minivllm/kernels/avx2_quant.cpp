@@ -722,7 +722,7 @@ constexpr int64_t REGISTER_MAX_ROWS = 8;
 
 // x: [M, K] fp32. kind 1 (int8: weight int8 [N, K], scale [N]), 2 (int4: weight uint8
 // [N, K/2] packed, scale [N, K/G], zero [N, K/G] or none, group_size G), 3 (fp8: weight
-// uint8 e4m3 bits [N, K], scale [N]), 5 (int4_w4a8: int4's operands, x rounded to int8
+// uint8 e4m3 bits [N, K], scale [N], or [N, K/G] with group_size G > 0), 5 (int4_w4a8: int4's operands, x rounded to int8
 // per group). bias: [N] or none. Returns [M, N] fp32.
 torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
                                  c10::optional<torch::Tensor> zero, int64_t group_size,
@@ -737,8 +737,11 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
   TORCH_CHECK(K > 0 && (!int4 || K % 32 == 0), "K must be positive (int4: a multiple of 32)");
   TORCH_CHECK(weight.scalar_type() == (kind == KIND_INT8 ? at::kChar : at::kByte), "weight: int8 (int8), uint8 (int4, fp8)");
   TORCH_CHECK(weight.size(1) == (int4 ? K / 2 : K), "weight's row size does not match K");
-  const int64_t G = int4 ? group_size : K;
+  // fp8 takes groups too (block-scaled checkpoints: a scale per row and G k)
+  const bool fp8_groups = kind == KIND_FP8 && group_size > 0;
+  const int64_t G = int4 || fp8_groups ? group_size : K;
   TORCH_CHECK(!int4 || (G > 0 && G % 32 == 0 && K % G == 0), "int4 groups: a multiple of 32 dividing K");
+  TORCH_CHECK(!fp8_groups || (G % 16 == 0 && K % G == 0), "fp8 groups: a multiple of 16 dividing K");
   const int64_t groups = K / G;
   TORCH_CHECK(scale.numel() == N * groups, "scale: [N] or [N, K / G]");
   const bool has_zero = int4 && zero.has_value() && zero->defined();

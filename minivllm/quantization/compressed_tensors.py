@@ -39,8 +39,8 @@ _FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantiz
 _SUPPORTED = (
     "int8 weights per channel (symmetric), activations unquantized or dynamic per-token int8; "
     "int4 weights in groups, activations unquantized or dynamic per-token int8; "
-    "fp8 e4m3 weights per channel or per tensor, activations unquantized or fp8 (run "
-    "unquantized)"
+    "fp8 e4m3 weights per channel, per tensor or in blocks, activations unquantized or fp8 "
+    "(run unquantized)"
 )
 
 
@@ -54,9 +54,13 @@ class StoredScheme:
     format: str
     per_tensor: bool = False
     unused_activations: str = ""
+    block: tuple[int, int] | None = None  # fp8: a scale per block of (rows, k)
+    scale_name: str = "weight_scale"
 
     def __str__(self) -> str:
         scale = ", one scale per tensor" if self.per_tensor else ""
+        if self.block:
+            scale = f", a scale per {self.block[0]}x{self.block[1]} block"
         if not self.unused_activations:
             return f"{self.spec}{scale}"
         return f"{self.spec}{scale}; the checkpoint's {self.unused_activations} run unquantized"
@@ -104,7 +108,14 @@ class CheckpointQuantization:
     def method_for(self, stored: StoredScheme, backend: str | None):
         from minivllm.quantization.ct_method import CompressedTensorsLinearMethod
 
-        return CompressedTensorsLinearMethod(stored.spec, backend, stored.format, stored.per_tensor)
+        return CompressedTensorsLinearMethod(
+            stored.spec,
+            backend,
+            stored.format,
+            stored.per_tensor,
+            stored.block,
+            stored.scale_name,
+        )
 
 
 def _ct_match(target: str, name: str) -> bool:
@@ -125,10 +136,15 @@ def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | Non
         return None
     quant = quant if isinstance(quant, dict) else quant.to_dict()
     method = quant.get("quant_method")
+    if method == "fp8":
+        from minivllm.quantization.hf_fp8 import read_fp8_checkpoint
+
+        return read_fp8_checkpoint(quant)
     if method != "compressed-tensors":
         raise ValueError(
             f"checkpoints quantized with {method!r} are not supported; minivllm loads "
-            "compressed-tensors checkpoints (llm-compressor) and quantizes online "
+            "compressed-tensors checkpoints (llm-compressor), transformers' fp8 checkpoints "
+            "and quantizes online "
             "(--quantization int8/int4/fp8)"
         )
     groups = []
@@ -172,24 +188,41 @@ def _stored_scheme(name: str, group: dict[str, Any], fmt: str) -> StoredScheme:
         and acts.get("type") == "float"
         and acts.get("symmetric", True)
         and (
-            (acts.get("strategy") == "token" and acts.get("dynamic") is True)
+            (acts.get("strategy") in ("token", "group") and acts.get("dynamic") is True)
             or (acts.get("strategy") == "tensor" and acts.get("dynamic") is False)
         )
     )
+    strategy = weights.get("strategy")
     if (
         weights.get("type") == "float"
         and weights.get("num_bits") == 8
         and weights.get("symmetric", True)
-        and weights.get("strategy") in ("channel", "tensor")
+        and strategy in ("channel", "tensor", "block")
         and (acts is None or fp8_acts)
     ):
         unused = ""
         if fp8_acts:
-            dynamic = acts.get("strategy") == "token"
-            unused = "fp8 activations " + ("(dynamic, per token)" if dynamic else "(static scales)")
-        per_tensor = weights.get("strategy") == "tensor"
-        return StoredScheme(SchemeSpec("fp8_w8a16"), fmt, per_tensor, unused)
+            dynamic = {"token": "dynamic, per token", "group": "dynamic, per group"}
+            unused = f"fp8 activations ({dynamic.get(acts.get('strategy'), 'static scales')})"
+        block = None
+        if strategy == "block":  # FP8_BLOCK: a scale per block of weight rows and k
+            block = block_structure(name, weights.get("block_structure"))
+        return StoredScheme(SchemeSpec("fp8_w8a16"), fmt, strategy == "tensor", unused, block)
     return StoredScheme(_scheme_of(name, group), fmt)
+
+
+def block_structure(name: str, value: Any) -> tuple[int, int]:
+    if (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(v, int) and v > 0 for v in value)
+        and value[1] % 16 == 0
+    ):
+        return int(value[0]), int(value[1])
+    raise ValueError(
+        f"compressed-tensors group {name!r}: fp8 block_structure {value!r} is not [rows, k] "
+        "with k a multiple of 16"
+    )
 
 
 def _scheme_of(name: str, group: dict[str, Any]) -> SchemeSpec:

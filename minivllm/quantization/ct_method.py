@@ -34,22 +34,36 @@ def unpack_int32(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 class CompressedTensorsLinearMethod(QuantizedLinearMethod):
     def __init__(
-        self, spec, backend: str | None = None, source: str = "online", per_tensor: bool = False
+        self,
+        spec,
+        backend: str | None = None,
+        source: str = "online",
+        per_tensor: bool = False,
+        block: tuple[int, int] | None = None,
+        scale_name: str = "weight_scale",
     ) -> None:
         super().__init__(spec, backend, source)
         self.per_tensor = per_tensor  # fp8: one scale per checkpoint tensor (shard)
+        # fp8: one scale per block of (rows, k) [N / rows, K / k]; held per row and k group
+        self.block = block
+        self.scale_name = scale_name  # "weight_scale_inv" in transformers' fp8 checkpoints
+
+    @property
+    def group_size(self) -> int:
+        return self.block[1] if self.block else super().group_size
 
     def create_weights(
         self, layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
     ) -> None:
         spec = self.spec
-        grouped = spec.scheme in formats.INT4_SCHEMES
-        if grouped and input_size % spec.group_size:
+        grouped = spec.scheme in formats.INT4_SCHEMES or self.block is not None
+        if grouped and input_size % self.group_size:
             raise ValueError(
-                f"the checkpoint's int4 groups of {spec.group_size} do not divide this rank's "
-                f"{input_size} input features (a smaller tensor_parallel_size may)"
+                f"the checkpoint's {spec.scheme} groups of {self.group_size} k do not divide "
+                f"this rank's {input_size} input features (a smaller tensor_parallel_size may)"
             )
-        replicate_scale = isinstance(layer, RowParallelLinear) and not grouped
+        row_parallel = isinstance(layer, RowParallelLinear)
+        replicate_scale = row_parallel and not grouped
         if spec.scheme == "fp8_w8a16":
             self._add(
                 layer, "weight", (output_size, input_size), torch.float8_e4m3fn, weight_loader
@@ -69,12 +83,20 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
             shape.weight_loader = _check_shape
             shape.raw_checkpoint_tensor = True
             layer.register_parameter("weight_shape", shape)
-        scale_cols = input_size // spec.group_size if grouped else 1
+        scale_cols = input_size // self.group_size if grouped else 1
         scale_loader = _copy_whole if replicate_scale else weight_loader
         if self.per_tensor:
             scale_loader = _per_tensor(scale_loader, output_size * get_tp_size())
+        elif self.block is not None:
+            exact = output_size if row_parallel else None
+            scale_loader = _block_rows(scale_loader, self.block[0], exact)
         self._add(
-            layer, "weight_scale", (output_size, scale_cols), torch.float32, scale_loader, raw=False
+            layer,
+            self.scale_name,
+            (output_size, scale_cols),
+            torch.float32,
+            scale_loader,
+            raw=False,
         )
         if spec.scheme == "fp8_w8a16":
             # a static fp8 checkpoint's activation scales: read, not used (weight-only)
@@ -103,9 +125,10 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
         if values is None:
             values = layer.weight
         values = values.data
-        scale = layer.weight_scale.data
+        scale = getattr(layer, self.scale_name).data
         if spec.scheme == "fp8_w8a16":
-            qw = formats.from_fp8_values(values, scale[:, 0])
+            per_row = scale if self.block else scale[:, 0]
+            qw = formats.from_fp8_values(values, per_row, self.group_size)
         elif spec.scheme in formats.INT4_SCHEMES:  # signed [-8, 7] here, unsigned [0, 15] there
             zero = getattr(layer, "weight_zero_point", None)
             qw = formats.from_int4_values(
@@ -150,6 +173,20 @@ def _per_tensor(loader: WeightLoader, rows: int) -> WeightLoader:
         if loader is _copy_whole:
             column = column[: param.shape[0]]
         loader(param, column, shard_id)
+
+    return load
+
+
+def _block_rows(loader: WeightLoader, rows: int, exact: int | None) -> WeightLoader:
+    """Block scales [N / rows, K / k] as the layer holds them, per row and k group: each
+    block row repeated `rows` times down the output dimension (then cut as the layer cuts
+    the weight's rows; to `exact` rows where every rank holds all of them)."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        if loaded.dim() != 2:
+            raise ValueError(f"block scales are 2-D, got shape {tuple(loaded.shape)}")
+        per_row = loaded.repeat_interleave(rows, dim=0)
+        loader(param, per_row if exact is None else per_row[:exact], shard_id)
 
     return load
 

@@ -8,6 +8,7 @@ tests/test_quant_kernels.py holds them to it. Five schemes:
     int8_w8a16    int8, symmetric per channel        float32 [N]      bf16
     int8_w8a8     int8, symmetric per channel        float32 [N]      int8 per token, in the kernel
     fp8_w8a16     float8 e4m3 bits (uint8)           float32 [N]      bf16
+                                                     (or [N, K/G]: a block-scaled checkpoint)
     int4_w4a16    uint8 [N, K/2], two nibbles a byte float32 [N, K/G] bf16   (zero: [N, K/G] or 8)
     int4_w4a8     as int4_w4a16                      as int4_w4a16    int8 per token and group
 
@@ -120,6 +121,10 @@ def _check_layout(qw: QuantWeights) -> None:
         _expect(qw.scale, "scale", torch.float32, groups)
         if qw.zero is not None:
             _expect(qw.zero, "zero", torch.float32, groups)
+    elif qw.scheme == "fp8_w8a16" and qw.group_size:  # block-scaled checkpoints (FP8_BLOCK)
+        if k % qw.group_size or qw.zero is not None:
+            raise ValueError(f"fp8 groups of {qw.group_size} must divide K={k}; no zero point")
+        _expect(qw.scale, "scale", torch.float32, (n, k // qw.group_size))
     else:
         if qw.group_size != 0 or qw.zero is not None:
             raise ValueError(f"{qw.scheme} is per channel: group_size 0 and no zero point")
@@ -156,8 +161,9 @@ def from_int8_values(q: Tensor, scale: Tensor, scheme: str = "int8_w8a16") -> Qu
     return QuantWeights(scheme, q, _float32(scale), None, wsum, 0, n, k)
 
 
-def from_fp8_values(q: Tensor, scale: Tensor) -> QuantWeights:
-    """float8_e4m3fn q [N, K] (or its uint8 bits) and per-channel scale [N]; no NaNs."""
+def from_fp8_values(q: Tensor, scale: Tensor, group_size: int = 0) -> QuantWeights:
+    """float8_e4m3fn q [N, K] (or its uint8 bits) and per-channel scale [N], or with
+    `group_size` G a scale per row and group of G k [N, K/G]; no NaNs."""
     if q.dtype == torch.float8_e4m3fn:
         q = q.view(torch.uint8)
     if q.dtype != torch.uint8:
@@ -165,7 +171,7 @@ def from_fp8_values(q: Tensor, scale: Tensor) -> QuantWeights:
     if bool(((q & 0x7F) == 0x7F).any()):  # the kernel decodes the NaN pattern as a number
         raise ValueError("fp8 weights contain NaN")
     n, k = q.shape
-    return QuantWeights("fp8_w8a16", q.contiguous(), _float32(scale), None, None, 0, n, k)
+    return QuantWeights("fp8_w8a16", q.contiguous(), _float32(scale), None, None, group_size, n, k)
 
 
 def from_int4_values(
@@ -263,7 +269,8 @@ def dequantize(qw: QuantWeights) -> Tensor:
     if qw.scheme in ("int8_w8a16", "int8_w8a8"):
         return qw.weight.to(torch.float32) * qw.scale[:, None]
     if qw.scheme == "fp8_w8a16":
-        return qw.weight.view(torch.float8_e4m3fn).to(torch.float32) * qw.scale[:, None]
+        scale = qw.scale.repeat_interleave(qw.group_size, 1) if qw.group_size else qw.scale[:, None]
+        return qw.weight.view(torch.float8_e4m3fn).to(torch.float32) * scale
     q = unpack_int4(qw.weight).to(torch.float32)
     zero = INT4_SYMMETRIC_ZERO if qw.zero is None else qw.zero.repeat_interleave(qw.group_size, 1)
     return (q - zero) * qw.scale.repeat_interleave(qw.group_size, 1)
@@ -340,9 +347,12 @@ def kernel_supports(scheme: str) -> bool:
 
 def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) -> bool:
     """The kernels' shape precondition: K a multiple of 32, and for int4 a group size that
-    is a multiple of 32 dividing K. Elsewhere use `reference_linear`."""
+    is a multiple of 32 dividing K; fp8 per channel only (block-scaled fp8 runs the AVX2
+    family's op in fp32 engines). Elsewhere use `reference_linear`."""
     if in_features <= 0 or in_features % 32:
         return False
+    if scheme == "fp8_w8a16":
+        return group_size == 0
     return scheme not in INT4_SCHEMES or (
         _divides(32, group_size) and in_features % group_size == 0
     )

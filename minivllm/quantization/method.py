@@ -99,7 +99,10 @@ class QuantizedLinearMethod(LinearMethodBase):
                 "scale": ((n,), torch.float32),
                 "wsum": ((n,), torch.int32),
             },
-            "fp8_w8a16": {"weight": ((n, k), torch.uint8), "scale": ((n,), torch.float32)},
+            "fp8_w8a16": {
+                "weight": ((n, k), torch.uint8),
+                "scale": ((n, k // self.group_size) if self.group_size else (n,), torch.float32),
+            },
             "int4": {
                 "weight": ((n, k // 2), torch.uint8),
                 "scale": ((n, groups), torch.float32),
