@@ -50,6 +50,8 @@ def _bound(x: torch.Tensor, qw: formats.QuantWeights, ref: torch.Tensor, bias: t
 SCHEMES = [
     ("int8_w8a16", 0, True),
     ("fp8_w8a16", 0, True),
+    ("fp8_w8a16", 16, True),  # block-scaled checkpoints: a scale per row and group of k
+    ("fp8_w8a16", 128, True),
     ("int4_w4a16", 128, True),
     ("int4_w4a16", 64, False),
     ("int4_w4a16", 32, False),
@@ -74,8 +76,11 @@ def test_linear_quantw_matches_float64(avx2, scheme, group, symmetric, m, n, k):
     the dequantized weight (N not a multiple of 16: a padded last panel)."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w = torch.randn(n, k, generator=gen)
-    w[0, : k // 2] *= 1e-4  # fp8: subnormal codes (exponent 0) in row 0
-    qw = formats.quantize(w, scheme, group or 128, symmetric)
+    w[0, : (group or k) // 2] *= 1e-4  # fp8: subnormal codes (exponent 0) in row 0
+    if scheme == "fp8_w8a16" and group:
+        qw = _fp8_in_groups(w, group)
+    else:
+        qw = formats.quantize(w, scheme, group or 128, symmetric)
     if scheme == "fp8_w8a16":
         assert bool(((qw.weight & 0x78) == 0).any())
     x = torch.randn(m, k, generator=gen)
@@ -84,6 +89,15 @@ def test_linear_quantw_matches_float64(avx2, scheme, group, symmetric, m, n, k):
     assert y.shape == (m, n) and y.dtype == torch.float32
     ref = x.double() @ formats.dequantize(qw).double().T + bias.double()
     assert ((y.double() - ref).abs() <= _bound(x, qw, ref, bias) + 1e-30).all()
+
+
+def _fp8_in_groups(w: torch.Tensor, group: int) -> formats.QuantWeights:
+    """fp8 e4m3 with a scale per row and group of k (amax / 448), as block-scaled
+    checkpoints hold after loading."""
+    groups = w.unflatten(1, (-1, group))
+    scale = groups.abs().amax(-1) / formats.FP8_MAX
+    q = (groups / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(1)
+    return formats.from_fp8_values(q, scale, group)
 
 
 INTEGER_FORM = [("int8_w8a16", 0), ("int4_w4a16", 128), ("int4_w4a16", 32)]

@@ -151,5 +151,112 @@ def test_unsupported_fp8_checkpoints_are_refused(make_checkpoint, tmp_path):
         LLM(str(out), dtype="float32", max_model_len=64)
     config["quantization_config"] |= {"fmt": "e4m3", "weight_block_size": [32, 24]}
     (out / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="block_structure"):
+    with pytest.raises(ValueError, match=r"weight_block_size: fp8 blocks \[32, 24\]"):
         LLM(str(out), dtype="float32", max_model_len=64)
+
+
+LAYERS = {  # class, constructor arguments, the checkpoint shards (shard id, rows)
+    "qkv": ("QKVParallelLinear", (64, 16, 4, 1), [("q", 64), ("k", 16), ("v", 16)]),
+    "merged": ("MergedColumnParallelLinear", (64, [80, 80]), [(0, 80), (1, 80)]),
+    "column": ("ColumnParallelLinear", (64, 80), [(None, 80)]),
+    "row": ("RowParallelLinear", (128, 80), [(None, 80)]),
+    "replicated": ("ReplicatedLinear", (64, 80, False), [(None, 80)]),
+}
+
+
+@pytest.mark.parametrize("layer_kind", list(LAYERS))
+@pytest.mark.parametrize("block", [(48, 32), None])
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_scales_reach_every_layer_kind(monkeypatch, layer_kind, block, tp_size):
+    """Per-tensor and block scales (48-row blocks: partial ones at the bottom of every
+    shard) loaded into each linear kind on each rank: the rank's dequantized weight is what
+    the same layer, unquantized, holds after loading the dequantized checkpoint tensor."""
+    from minivllm.kernels.registry import TORCH
+    from minivllm.layers import linear
+    from minivllm.quantization import ct_method, formats
+    from minivllm.quantization.config import SchemeSpec
+
+    cls_name, args, shards = LAYERS[layer_kind]
+    cls = getattr(linear, cls_name)
+    gen = torch.Generator().manual_seed(3)
+    k = args[0]
+    checkpoint = []
+    for shard_id, rows in shards:
+        w = torch.randn(rows, k, generator=gen)
+        if block is None:
+            scale = (w.abs().amax() / 448).reshape(1)
+            full = scale
+        else:
+            r, c = block
+            padded = torch.nn.functional.pad(w.abs(), (0, -k % c, 0, -rows % r))
+            scale = padded.unflatten(0, (-1, r)).unflatten(-1, (-1, c)).amax(dim=(1, 3)) / 448
+            full = scale.repeat_interleave(r, 0).repeat_interleave(c, 1)[:rows, :k]
+        q = _fp8(w, full)
+        checkpoint.append((shard_id, q, scale, q.float() * full))
+    name = "weight_scale" if block is None else "weight_scale_inv"
+    for rank in range(tp_size):
+        for module in (linear, ct_method):
+            monkeypatch.setattr(module, "get_tp_size", lambda: tp_size)
+        monkeypatch.setattr(linear, "get_tp_rank", lambda r=rank: r)
+        method = ct_method.CompressedTensorsLinearMethod(
+            SchemeSpec("fp8_w8a16"), None, "fp8", block is None, block, name
+        )
+        layer = cls(*args, quant_method=method)
+        plain = cls(*args)
+        for shard_id, q, scale, dequantized in checkpoint:
+            layer.weight.weight_loader(layer.weight, q, shard_id)
+            getattr(layer, name).weight_loader(getattr(layer, name), scale, shard_id)
+            plain.weight.weight_loader(plain.weight, dequantized, shard_id)
+        method.process_weights_after_loading(layer, TORCH)
+        assert torch.equal(formats.dequantize(method.quant_weights), plain.weight.data), rank
+
+
+def test_wrong_block_scales_are_refused(make_checkpoint, tmp_path):
+    """Block scales with a row count other than ceil(N / rows) do not load silently."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "fp8"
+    write_hf_fp8(make_checkpoint("Qwen3ForCausalLM"), out, (32, 32))
+    tensors = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    tensors[name] = torch.cat([tensors[name], tensors[name]])
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"checkpoint tensor '{name}': block scales"):
+        LLM(str(out), dtype="float32", max_model_len=64)
+
+
+def test_modules_to_not_convert_match_as_transformers_does():
+    """transformers' own matcher is the oracle: a key as a regex from the start of the name
+    up to a module boundary, or as a suffix."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    from minivllm.quantization.hf_fp8 import read_fp8_checkpoint
+
+    keys = ["model.layers.1", "mlp.gate", "model.layers.*.self_attn.o_proj", "fc1"]
+    quant = read_fp8_checkpoint({"quant_method": "fp8", "modules_to_not_convert": keys})
+    names = [
+        f"model.layers.{i}.{m}"
+        for i in (1, 2, 11)
+        for m in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate", "mlp.gate_proj", "fc1")
+    ]
+    for name in names:
+        assert (quant.spec_for(name, []) is None) == (not should_convert_module(name, keys)), name
+    assert quant.spec_for("lm_head", []) is None
+
+
+def test_quantized_routed_experts_are_refused(tmp_path):
+    """An MoE checkpoint whose routed experts are stored in fp8 (DeepSeek's releases) is
+    refused by name, never cast to the model's dtype without its scales."""
+    from safetensors.torch import load_file
+
+    from minivllm.loader.hub import resolve_model_path
+
+    src = Path(resolve_model_path("demo-sparse"))
+    shutil.copytree(src, tmp_path / "ckpt")
+    (weights,) = list((tmp_path / "ckpt").glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = next(n for n in tensors if ".experts.0.gate_proj.weight" in n)
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="quantized routed experts"):
+        LLM(str(tmp_path / "ckpt"), dtype="float32", max_model_len=64)

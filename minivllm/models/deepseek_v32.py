@@ -298,6 +298,12 @@ class DeepseekV32ForCausalLM(nn.Module):
                     yield name, tensor
                     continue
                 owner, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+                if tensor.element_size() < 2 or not tensor.is_floating_point():
+                    raise ValueError(
+                        f"{name} is stored as {tensor.dtype}: quantized routed experts (fp8 "
+                        "or int checkpoints of MoE models) are not supported; use the model's "
+                        "bf16 checkpoint (and --quantization for its linear layers)"
+                    )
                 if (owner, expert, proj) not in expected:
                     raise ValueError(f"unexpected weight {name!r}: the model has no such expert")
                 modules[owner].load_expert_weight(expert, proj, tensor.to(modules[owner].w13.dtype))

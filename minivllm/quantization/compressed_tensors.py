@@ -206,12 +206,14 @@ def _stored_scheme(name: str, group: dict[str, Any], fmt: str) -> StoredScheme:
             unused = f"fp8 activations ({dynamic.get(acts.get('strategy'), 'static scales')})"
         block = None
         if strategy == "block":  # FP8_BLOCK: a scale per block of weight rows and k
-            block = block_structure(name, weights.get("block_structure"))
+            where = f"compressed-tensors group {name!r}'s block_structure"
+            block = block_structure(where, weights.get("block_structure"))
         return StoredScheme(SchemeSpec("fp8_w8a16"), fmt, strategy == "tensor", unused, block)
     return StoredScheme(_scheme_of(name, group), fmt)
 
 
-def block_structure(name: str, value: Any) -> tuple[int, int]:
+def block_structure(where: str, value: Any) -> tuple[int, int]:
+    """fp8 block dimensions [rows, k]; `where` names their source in the error."""
     if (
         isinstance(value, (list, tuple))
         and len(value) == 2
@@ -219,10 +221,7 @@ def block_structure(name: str, value: Any) -> tuple[int, int]:
         and value[1] % 16 == 0
     ):
         return int(value[0]), int(value[1])
-    raise ValueError(
-        f"compressed-tensors group {name!r}: fp8 block_structure {value!r} is not [rows, k] "
-        "with k a multiple of 16"
-    )
+    raise ValueError(f"{where}: fp8 blocks {value!r} are not [rows, k] with k a multiple of 16")
 
 
 def _scheme_of(name: str, group: dict[str, Any]) -> SchemeSpec:

@@ -16,7 +16,13 @@ from torch import nn
 
 from minivllm.distributed.parallel_state import get_tp_size
 from minivllm.kernels.registry import Kernels
-from minivllm.layers.linear import RowParallelLinear
+from minivllm.layers.embedding import VocabParallelEmbedding
+from minivllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from minivllm.layers.linear_method import WeightLoader
 from minivllm.quantization import formats
 from minivllm.quantization.method import QuantizedLinearMethod
@@ -58,12 +64,12 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
         spec = self.spec
         grouped = spec.scheme in formats.INT4_SCHEMES or self.block is not None
         if grouped and input_size % self.group_size:
+            hint = " (a smaller tensor_parallel_size may)" if get_tp_size() > 1 else ""
             raise ValueError(
                 f"the checkpoint's {spec.scheme} groups of {self.group_size} k do not divide "
-                f"this rank's {input_size} input features (a smaller tensor_parallel_size may)"
+                f"this rank's {input_size} input features{hint}"
             )
-        row_parallel = isinstance(layer, RowParallelLinear)
-        replicate_scale = row_parallel and not grouped
+        replicate_scale = isinstance(layer, RowParallelLinear) and not grouped
         if spec.scheme == "fp8_w8a16":
             self._add(
                 layer, "weight", (output_size, input_size), torch.float8_e4m3fn, weight_loader
@@ -86,17 +92,12 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
         scale_cols = input_size // self.group_size if grouped else 1
         scale_loader = _copy_whole if replicate_scale else weight_loader
         if self.per_tensor:
-            scale_loader = _per_tensor(scale_loader, output_size * get_tp_size())
+            scale_loader = _per_tensor(scale_loader, layer)
         elif self.block is not None:
-            exact = output_size if row_parallel else None
-            scale_loader = _block_rows(scale_loader, self.block[0], exact)
+            scale_loader = _block_rows(scale_loader, layer, self.block)
+        raw = self.per_tensor or self.block is not None  # their loaders check the dtype
         self._add(
-            layer,
-            self.scale_name,
-            (output_size, scale_cols),
-            torch.float32,
-            scale_loader,
-            raw=False,
+            layer, self.scale_name, (output_size, scale_cols), torch.float32, scale_loader, raw=raw
         )
         if spec.scheme == "fp8_w8a16":
             # a static fp8 checkpoint's activation scales: read, not used (weight-only)
@@ -159,34 +160,68 @@ def _unpacking(loader: WeightLoader, bits: int, count, along_rows: bool = False)
     return load
 
 
-def _per_tensor(loader: WeightLoader, rows: int) -> WeightLoader:
-    """A per-tensor scale as a per-channel one: the value repeated down a column of `rows`
-    (a layer's full output across ranks, as long as any shard of it), which the layer's
-    own loader then cuts as it cuts the weight's rows (every row has the same value)."""
+def checkpoint_rows(layer: nn.Module, shard_id: object) -> int:
+    """The rows of the checkpoint tensor that `layer`'s loader takes for `shard_id`: a
+    fused shard's whole output (q, k or v; gate or up), a column-parallel layer's or the
+    LM head's across all ranks, else (replicated, row-parallel) the layer's own."""
+    tp = get_tp_size()
+    if isinstance(layer, QKVParallelLinear):
+        if shard_id == "q":
+            return layer.num_heads * tp * layer.head_dim
+        return layer.num_kv_heads * tp // layer.kv_replicas * layer.head_dim
+    if isinstance(layer, MergedColumnParallelLinear):
+        return layer.output_sizes[shard_id]
+    if isinstance(layer, ColumnParallelLinear):
+        return layer.output_size * tp
+    if isinstance(layer, VocabParallelEmbedding):
+        return layer.vocab_size
+    return layer.output_size
+
+
+def _scale_values(loaded: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's scale tensor in float32: float32, bf16, fp16 or e8m0 (transformers'
+    "ue8m0" scale format) are read as numbers; integers would be read as their bytes'
+    values, so they are refused."""
+    if not loaded.is_floating_point():
+        raise ValueError(
+            f"a weight scale stored as {loaded.dtype} is not a number minivllm reads "
+            "(float32, bfloat16, float16 or float8_e8m0fnu)"
+        )
+    return loaded.to(torch.float32)
+
+
+def _per_tensor(loader: WeightLoader, layer: nn.Module) -> WeightLoader:
+    """A per-tensor scale as a per-channel one: the value repeated down the checkpoint
+    tensor's rows, which the layer's own loader then cuts as it cuts the weight's."""
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
         if loaded.numel() != 1:
             raise ValueError(
-                f"a per-tensor weight_scale holds one value, got shape {tuple(loaded.shape)}"
+                f"a per-tensor weight scale holds one value, got shape {tuple(loaded.shape)}"
             )
-        column = loaded.reshape(1, 1).expand(rows, 1)
-        if loader is _copy_whole:
-            column = column[: param.shape[0]]
-        loader(param, column, shard_id)
+        rows = checkpoint_rows(layer, shard_id)
+        loader(param, _scale_values(loaded).reshape(1, 1).expand(rows, 1), shard_id)
 
     return load
 
 
-def _block_rows(loader: WeightLoader, rows: int, exact: int | None) -> WeightLoader:
-    """Block scales [N / rows, K / k] as the layer holds them, per row and k group: each
-    block row repeated `rows` times down the output dimension (then cut as the layer cuts
-    the weight's rows; to `exact` rows where every rank holds all of them)."""
+def _block_rows(loader: WeightLoader, layer: nn.Module, block: tuple[int, int]) -> WeightLoader:
+    """Block scales [ceil(N / rows), ceil(K / k)] of the checkpoint tensor as the layer
+    holds them, per row and k group: each block row repeated `rows` times down the
+    output dimension and cut to N, then cut as the layer cuts the weight's rows."""
+    rows, cols = block
 
     def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if loaded.dim() != 2:
-            raise ValueError(f"block scales are 2-D, got shape {tuple(loaded.shape)}")
-        per_row = loaded.repeat_interleave(rows, dim=0)
-        loader(param, per_row if exact is None else per_row[:exact], shard_id)
+        n = checkpoint_rows(layer, shard_id)
+        k = layer.input_size * (get_tp_size() if isinstance(layer, RowParallelLinear) else 1)
+        expected = (-(-n // rows), -(-k // cols))
+        if tuple(loaded.shape) != expected:
+            raise ValueError(
+                f"block scales of a [{n}, {k}] weight in {rows} x {cols} blocks have shape "
+                f"{list(expected)}, got {list(loaded.shape)}"
+            )
+        per_row = _scale_values(loaded).repeat_interleave(rows, dim=0)[:n]
+        loader(param, per_row, shard_id)
 
     return load
 

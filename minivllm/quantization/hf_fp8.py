@@ -1,14 +1,15 @@
 """Checkpoints in transformers' (and vLLM's `Fp8Config`) fp8 format: `quant_method: "fp8"`.
 
-What Qwen's and DeepSeek's official FP8 releases ship. config.json carries
+What Qwen's official FP8 releases ship (DeepSeek's too, whose fp8 routed experts minivllm
+refuses: its MoE layer holds experts in the model's dtype). config.json carries
 `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic" | "static",
 "weight_block_size": [128, 128] | null, "modules_to_not_convert": [...] | null}`; each
 quantized linear stores `weight` (float8_e4m3fn [N, K]) and either `weight_scale_inv`
 (float32 [ceil(N / 128), ceil(K / 128)]: one multiplier per block, despite the name,
 w = q * s) or, without blocks, `weight_scale` (one value per tensor), plus `input_scale`
 where activations are static. The LM head and the modules named in
-`modules_to_not_convert` (matched as substrings of module names, as transformers
-matches them) stay in full precision.
+`modules_to_not_convert` (or vLLM's `ignored_layers`; matched as transformers matches
+them) stay in full precision.
 
 These run as fp8_w8a16: the weights as stored (block scales held per row and group of
 k), the fp8 activation rounding skipped (as vLLM without fp8 hardware; activations keep
@@ -40,7 +41,7 @@ def read_fp8_checkpoint(quant: dict[str, Any]) -> CheckpointQuantization:
         )
     block = quant.get("weight_block_size")
     if block is not None:
-        block = block_structure("fp8", list(block))
+        block = block_structure("the fp8 checkpoint's weight_block_size", block)
     stored = StoredScheme(
         SchemeSpec("fp8_w8a16"),
         "fp8",
@@ -49,6 +50,12 @@ def read_fp8_checkpoint(quant: dict[str, Any]) -> CheckpointQuantization:
         block=block,
         scale_name="weight_scale_inv" if block is not None else "weight_scale",
     )
-    keep = list(quant.get("modules_to_not_convert") or ())
-    ignore = ["lm_head", *(f"re:.*{re.escape(m)}" for m in keep)]
+    # vLLM reads `ignored_layers` (AutoFP8 writes it) before `modules_to_not_convert`
+    keep = list(quant.get("ignored_layers") or quant.get("modules_to_not_convert") or ())
+    ignore = ["lm_head"]
+    for key in keep:
+        # transformers' matching: the key as a regex from the start of the name, ending at a
+        # module boundary ("layers.1" is not "layers.11", "mlp.gate" not "mlp.gate_proj"),
+        # or as a suffix of the name
+        ignore += [f"re:(?:{key})(?:(?<=\\.)|(?=\\.|$))", f"re:.*{re.escape(key)}$"]
     return CheckpointQuantization((ConfigGroup(("Linear",), stored),), tuple(ignore), "fp8")

@@ -154,10 +154,12 @@ class QuantizedLinearMethod(LinearMethodBase):
         # multiplied in fp32 (int8_w8a8: on its quantized activations, `_apply_fp32`)
         fp32_op = kernels.op("linear_quantw")
         cpu = kernels.key is not None and kernels.key.device == "cpu"
-        if fp32_op is None and qw.scheme == "int4_w4a8" and cpu:
-            # no bf16 kernel of its own: every CPU with AVX-512 has AVX2 too, so bf16
-            # engines run the AVX2 family's op on rows converted to fp32 (the reference's
-            # numbers: the same rounding of x, fp32 sums rounded once to bf16)
+        borrow = qw.scheme == "int4_w4a8" or (qw.scheme == "fp8_w8a16" and qw.group_size > 0)
+        if fp32_op is None and borrow and cpu:
+            # no bf16 kernel of its own (int4_w4a8, block-scaled fp8): every CPU with
+            # AVX-512 has AVX2 too, so bf16 engines run the AVX2 family's op on rows
+            # converted to fp32 (the reference's numbers: the same rounding of x, fp32 sums
+            # rounded once to bf16)
             from minivllm.kernels import get_avx2_kernels
 
             avx2 = get_avx2_kernels()
@@ -189,7 +191,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         rows = x.reshape(-1, x.shape[-1])
         if self.fp32_op is not None and x.dtype == torch.float32:
             return self._apply_fp32(rows, qw, bias).view(*x.shape[:-1], qw.out_features)
-        if self.fp32_op is not None and qw.scheme == "int4_w4a8":  # a bf16 engine (above)
+        if self.fp32_op is not None:  # a bf16 engine borrowing the AVX2 op (above)
             out = self._apply_fp32(rows.float(), qw, None if bias is None else bias.float())
             return out.to(x.dtype).view(*x.shape[:-1], qw.out_features)
         if self.op is None or x.dtype != torch.bfloat16:
@@ -285,5 +287,6 @@ def _why_not(op: object, qw: formats.QuantWeights) -> str:
         return "this CPU lacks the instructions it needs (int8_w8a8: AVX512-VNNI)"
     return (
         f"the layer's shape (input {qw.in_features}, group {qw.group_size}) is not one the "
-        "kernel takes (input a multiple of 32; int4 groups of a multiple of 32)"
+        "kernel takes (input a multiple of 32; int4 groups of a multiple of 32; fp8 per "
+        "channel, block scales on the AVX2 op)"
     )
