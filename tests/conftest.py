@@ -258,7 +258,9 @@ def start_daemon(bf16_dir: Path, tmp_path: Path) -> Iterator[Any]:
     shutil.rmtree(socket_dir)
 
 
-needs_avx2 = pytest.mark.skipif(not {"avx2", "fma"} <= cpu_flags(), reason="CPU lacks AVX2/FMA")
+needs_avx2 = pytest.mark.skipif(
+    not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="CPU lacks AVX2/FMA/F16C"
+)
 
 
 @pytest.fixture(scope="session")

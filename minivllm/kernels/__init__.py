@@ -29,13 +29,13 @@ def kernel_build_dir() -> str:
 
 # explicit ISA flags, not -march=native: a cached build may meet another CPU
 _AVX512_BF16_FLAGS = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-_AVX2_FLAGS = ["-mavx2", "-mfma"]
+_AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
 
 @cache
 def get_avx2_kernels() -> ModuleType | None:
     """The fp32 AVX2 + FMA family (avx2_*.cpp), for CPUs without AVX-512."""
-    if not {"avx2", "fma"} <= cpu_flags():
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
         return None
     return _build_family(
         "minivllm_cpu_kernels_avx2",

@@ -11,11 +11,11 @@
 // masks it and runs two batched matmuls: at batch 32 that gather was a third of a step.
 //
 // The cache may hold fp32, bf16, fp8 e4m3 or fp8 e5m2 (kv_cache_dtype): each key and value
-// is widened to fp32 as it is loaded (bf16: shifted into the top half; fp8: bit moves and
-// one multiply, `load8`), and everything after is the fp32 kernel's.
+// is widened to fp32 as it is loaded (bf16: shifted into the top half; fp8: through fp16,
+// `load8`), and everything after is the fp32 kernel's.
 // At batch 1 decode attention streams the context once per step, so a bf16 cache halves
-// its bytes and fp8 quarters them. fp8's NaN and inf bytes read as large finite numbers
-// (e4m3's NaN as 480): writes saturate, so only a model already producing NaN stores one.
+// its bytes and fp8 quarters them. e4m3's NaN byte reads as 480, e5m2's inf and NaN as
+// themselves (avx2_math.h): writes saturate, so only a model already producing NaN stores one.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>

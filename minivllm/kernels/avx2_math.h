@@ -1,4 +1,4 @@
-// Vector math for the AVX2 family (avx2_*.cpp): 8 fp32 lanes, AVX2 + FMA only.
+// Vector math for the AVX2 family (avx2_*.cpp): 8 fp32 lanes, AVX2 + FMA (+ F16C).
 #pragma once
 
 #include <immintrin.h>
@@ -56,19 +56,34 @@ class KeepSubnormals {
   unsigned saved_;
 };
 
-// 8 fp8 bytes at p as fp32, with EXP exponent bits (4: e4m3, 5: e5m2; avx2_quant.cpp's
-// header says how): the 7 magnitude bits shifted left by 16 + EXP put the exponent field
-// and mantissa where fp32's are, the sign goes to bit 31, and one multiply by
-// 2^(127 - bias) rebiases. Their subnormals need KeepSubnormals alive in the calling thread.
+// 8 fp8 bytes at p as fp32, through fp16 and F16C's vcvtph2ps (exact). An fp8 number
+// is a narrower fp16: e5m2 is fp16's top byte (the same 5-bit exponent and bias); e4m3's
+// 7 magnitude bits shifted left by 7 land on fp16's exponent and mantissa fields with the
+// exponent's top bit clear, which reads as the value times 2^-8 (bias 15 against 7),
+// subnormals included, and one multiply by 2^8 (exact) restores it; its sign, bit 7
+// sign-extended to 16 bits and shifted, lands on bit 15 (and 14, masked off). So every
+// value decodes exactly whatever MXCSR's DAZ/FTZ say (the fp16 values are normal in fp32,
+// e4m3's smallest, 2^-9, as 2^-17). e4m3's NaN byte reads as 480 (its pattern's number);
+// e5m2's inf and NaN as themselves. (On Zen 1, 12 vector uops per 8 values before, when
+// the bits were moved into fp32 and rebiased by a multiply by 2^120, and ~8 here.)
+// fp8x8_fp16<4> is the e4m3 values times 2^-8, for callers that fold the 2^8 into a scale
+// they apply anyway (exact: a power of two).
+template <int EXP = 4>
+inline __m256 fp8x8_fp16(const uint8_t* p) {
+  static_assert(EXP == 4 || EXP == 5, "e4m3 or e5m2");
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (EXP == 5) {
+    return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
+  } else {
+    const __m128i bits = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7),
+                                       _mm_set1_epi16(static_cast<short>(0xBF80)));
+    return _mm256_cvtph_ps(bits);
+  }
+}
 template <int EXP = 4>
 inline __m256 fp8x8(const uint8_t* p) {
-  constexpr int shift = 16 + EXP;                        // 20 for e4m3, 21 for e5m2
-  constexpr int rebias = 127 - ((1 << (EXP - 1)) - 1);  // 120, 112
-  const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i magnitude = _mm256_and_si256(_mm256_slli_epi32(d, shift), _mm256_set1_epi32(0x7F << shift));
-  const __m256i sign = _mm256_and_si256(d, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-  const __m256 scale = _mm256_castsi256_ps(_mm256_set1_epi32((127 + rebias) << 23));  // 2^rebias
-  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(magnitude, sign)), scale);
+  const __m256 v = fp8x8_fp16<EXP>(p);
+  return EXP == 5 ? v : _mm256_mul_ps(v, _mm256_set1_ps(256.f));
 }
 
 }  // namespace

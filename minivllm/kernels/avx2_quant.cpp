@@ -33,11 +33,11 @@
 // Decoding, per scheme (every decoded value is exact; the fp32 forms differ from
 // formats.reference_linear only in their sums' order, the integer form by x's rounding):
 //   int8  vpmovsxbw, 16 k per vector (integer form); vpmovsxbd + vcvtdq2ps, 8 k (panels).
-//   fp8   e4m3 byte b sign-extended to a 32-bit lane d: ((d << 20) & 0x07F00000) |
-//         (d & 0x80000000) are fp32 bits with e4m3's exponent field and mantissa in place,
-//         the number times 2^-120 (its subnormals, exponent 0, land on fp32 subnormals with
-//         the same scaling); one multiply by 2^120 gives it. That needs the CPU to read
-//         subnormal inputs as they are: each thread clears MXCSR's DAZ/FTZ for the call.
+//   fp8   e4m3 bytes moved into fp16 bit patterns (the value times 2^-8, subnormals
+//         included), widened by F16C's vcvtph2ps and multiplied by 2^8 (avx2_math.h's
+//         fp8x8); exact whatever MXCSR's DAZ/FTZ say. The scalar tail (fp8_scalar) moves
+//         the bits into fp32 instead, which needs subnormal inputs kept: each thread
+//         clears DAZ/FTZ for the call.
 //   int4  a 16-byte chunk holds k 0-15 in its low nibbles and 16-31 in its high ones
 //         (formats.pack_int4): & 0xF and (>> 4) & 0xF, each widened to int16, are those
 //         32 k in order (the panel form widens 8 of them to fp32). The products use q, not q - z: per group, z * sum_k x is
@@ -79,9 +79,12 @@ inline float fp8_scalar(uint8_t b) {
 // vectors, in x's order (kK = 32: k in order; 64: Int4Pair's), and `scalar` decodes one k
 // (a per-channel row's last K % 32). Fp8's fp32 register
 // form: kK k in kBytes bytes decoded into kVec vectors, `scalar` for its last K % 16.
+// kScale: what `decode` and `raw8` leave out of each value, for the caller's scale to
+// carry (fp8: 2^8, exact; see avx2_math.h's fp8x8_fp16).
 struct Int8Unit {
   static constexpr int64_t kK = 32, kBytes = 32;
   static constexpr int kVec = 2;
+  static constexpr float kScale = 1.f;
   static inline void int16(const uint8_t* p, __m256i w[2]) {
     w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
@@ -92,13 +95,15 @@ struct Int8Unit {
 struct Fp8Unit {
   static constexpr int64_t kK = 16, kBytes = 16;
   static constexpr int kVec = 2;
-  static inline void decode(const uint8_t* p, __m256* w) { w[0] = fp8x8(p), w[1] = fp8x8(p + 8); }
-  static inline float scalar(uint8_t b) { return fp8_scalar(b); }
-  static inline __m256 raw8(const uint8_t* row, int64_t k) { return fp8x8(row + k); }
+  static constexpr float kScale = 256.f;
+  static inline void decode(const uint8_t* p, __m256* w) { w[0] = fp8x8_fp16(p), w[1] = fp8x8_fp16(p + 8); }
+  static inline float scalar(uint8_t b) { return fp8_scalar(b); }  // the value itself
+  static inline __m256 raw8(const uint8_t* row, int64_t k) { return fp8x8_fp16(row + k); }
 };
 struct Int4Unit {
   static constexpr int64_t kK = 32, kBytes = 16;
   static constexpr int kVec = 2;
+  static constexpr float kScale = 1.f;
   static inline void int16(const uint8_t* p, __m256i w[2]) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), nibble = _mm_set1_epi8(0x0F);
     w[0] = _mm256_cvtepu8_epi16(_mm_and_si128(b, nibble));
@@ -405,7 +410,7 @@ inline void dot_tile(const Operands& o, int64_t m0, int64_t n0, float* y) {
     for (int r = 0; r < R; ++r) {
       const float s = o.scale[(n0 + r) * o.groups + g];
       const uint8_t* row = o.q + (n0 + r) * o.row_bytes;
-      const __m256 sv = _mm256_set1_ps(s);
+      const __m256 sv = _mm256_set1_ps(s * U::kScale);  // the vectors' sums lack kScale
       for (int m = 0; m < MR; ++m) {
         total[m][r] = _mm256_fmadd_ps(_mm256_add_ps(a[m][r], b[m][r]), sv, total[m][r]);
         float t = 0.f;
@@ -667,7 +672,7 @@ inline void fill_half_panel(const Operands& o, int64_t n0, int64_t k0, int64_t k
       const int64_t g = kk / o.group_k;
       next_group = (g + 1) * o.group_k;
       for (int r = 0; r < rows; ++r) {
-        s[r] = o.scale[(n0 + r) * o.groups + g];
+        s[r] = o.scale[(n0 + r) * o.groups + g] * U::kScale;
         z[r] = o.int4 ? (o.zero ? o.zero[(n0 + r) * o.groups + g] : 8.f) : 0.f;
       }
     }

@@ -100,7 +100,7 @@ def _load_avx2() -> ModuleType | None:
 AVX2 = KernelKey("cpu", torch.float32, "avx2")
 register_family(
     AVX2,
-    ("avx2", "fma"),
+    ("avx2", "fma", "f16c"),  # F16C: fp8 decodes through fp16 (avx2_math.h)
     _load_avx2,
     {
         **{
