@@ -75,6 +75,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     enable_prefix_caching: bool = True
     cache_dtype: str = "auto"  # KV_CACHE_DTYPES
+    # fp8 caches: each layer's k/v scales from its first forward's keys and values
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -85,6 +87,11 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"got {self.cache_dtype!r}"
+            )
+        if self.calculate_kv_scales and not self.cache_dtype.startswith("fp8"):
+            raise ValueError(
+                "calculate_kv_scales scales an fp8 KV cache; pass kv_cache_dtype='fp8' "
+                f"(got {self.cache_dtype!r})"
             )
 
     def kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:

@@ -329,3 +329,35 @@ def test_a_draft_model_with_scales(make_checkpoint, tmp_path_factory):
             top = sorted((lp.logprob for lp in want.logprobs[first].values()), reverse=True)
             assert top[0] - top[1] < 1e-2, (first, top)
     assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
+
+
+def test_calculate_kv_scales(make_checkpoint, tmp_path_factory):
+    """calculate_kv_scales on the model with small keys and values and no checkpoint
+    scales: each layer's scales come from its first forward (the first 8-token chunk), and
+    the logprobs follow transformers holding fp8 numbers scaled by those, far from unscaled
+    fp8. Without an fp8 cache the option is an error."""
+    from transformers import AutoModelForCausalLM
+
+    plain = _checkpoint(make_checkpoint, tmp_path_factory, "tensor")[0]
+    llm = _llm(plain, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    layers = llm.llm_engine.executor.runner.attention_layers
+    assert all(layer.kv_scales is None for layer in layers)
+    outs = scored_generations(llm)
+    scales = [(layer.kv_scales[0], layer.kv_scales[1]) for layer in layers]
+    assert all(float(ks[0]) < 1e-3 for ks, _ in scales)  # the keys are small: so the scales
+    hf = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    assert_closer_to_oracle(
+        outs, lambda ids: _hf_logprobs(hf, ids, scales), lambda ids: _hf_logprobs(hf, ids, None)
+    )
+    with pytest.raises(ValueError, match="calculate_kv_scales scales an fp8 KV cache"):
+        _llm(plain, calculate_kv_scales=True)
+
+
+def test_serve_takes_calculate_kv_scales():
+    from minivllm.entrypoints.cli import build_parser
+    from minivllm.entrypoints.engine_flags import engine_args_from
+
+    args = build_parser().parse_args(
+        ["serve", "demo-base", "--kv-cache-dtype", "fp8", "--calculate-kv-scales"]
+    )
+    assert engine_args_from(args).calculate_kv_scales is True

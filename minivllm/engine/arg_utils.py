@@ -46,6 +46,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     # what the paged KV cache stores (config.KV_CACHE_DTYPES); "auto": the model's dtype
     kv_cache_dtype: str = "auto"
+    # vLLM's calculate_kv_scales: an fp8 cache's scales from each layer's first keys/values
+    calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     trust_remote_code: bool = False
     device: str = "auto"
@@ -134,6 +136,7 @@ class EngineArgs:
                 self.kv_cache_memory_bytes,
                 self.enable_prefix_caching,
                 kv_cache_dtype,
+                self.calculate_kv_scales,
             ),
             scheduler=SchedulerConfig(self.max_num_seqs, batched, max_model_len, lookahead),
             parallel=ParallelConfig(

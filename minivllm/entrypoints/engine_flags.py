@@ -126,6 +126,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "unscaled) (default: %(default)s)",
     )
     cache.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        default=d["calculate_kv_scales"],
+        help="with an fp8 KV cache: scale each layer's keys and values by their largest "
+        "magnitude in the layer's first forward (over fp8's largest value), instead of the "
+        "checkpoint's scales or none",
+    )
+    cache.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=d["enable_prefix_caching"],

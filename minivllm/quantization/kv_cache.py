@@ -90,14 +90,29 @@ class _ScaleLoader:
         param.data.copy_(values.expand(self.local_heads))
 
 
-def use_kv_scales(layers: list[nn.Module], kv_dtype: torch.dtype) -> None:
+def use_kv_scales(layers: list[nn.Module], kv_dtype: torch.dtype, calculate: bool = False) -> None:
     """Once the checkpoint is in and the cache's dtype known, with an fp8 cache each layer
     keeps its `kv_scales` [4, local KV heads] fp32 (k_scale, v_scale, 1 / k_scale,
     1 / v_scale, for the fused step) and `kv_head_scales` [2, local query heads] (k_scale,
     v_scale of each query head's KV head); with another cache none (the scales go unused).
     A layer whose checkpoint holds one of its two scales uses it for both, and one holding
     neither 1.0 (vLLM's rules, logged). The parameters stay as loaded: a weight-cache
-    engine maps them read-only."""
+    engine maps them read-only. `calculate` (vLLM's calculate_kv_scales, fp8 caches): every
+    full-attention layer takes its scales from its first forward instead
+    (`calibrate_kv_scales`), the checkpoint's going unused."""
+    if calculate and kv_dtype in FP8_DTYPES:
+        from minivllm.layers.attention.layer import Attention
+
+        calibrated = [layer for layer in layers if type(layer) is Attention]
+        for layer in calibrated:
+            layer.kv_scales = layer.kv_head_scales = None
+            layer.calibrate_kv_scales = True
+        logger.info(
+            "calculate_kv_scales: %d layers take their KV-cache scales from their first "
+            "forward's keys and values",
+            len(calibrated),
+        )
+        return
     scaled = [
         layer for layer in layers if isinstance(getattr(layer, "k_scale", None), nn.Parameter)
     ]
@@ -142,6 +157,23 @@ def use_kv_scales(layers: list[nn.Module], kv_dtype: torch.dtype) -> None:
             "the checkpoint's fp8 KV-cache scales go unused: the KV cache is %s",
             str(kv_dtype).removeprefix("torch."),
         )
+
+
+def calibrate_kv_scales(layer: nn.Module, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`layer`'s scales from the keys and values [T, Hkv, D] of its first forward: the
+    largest magnitude of each over the cache dtype's largest finite value (one scale per
+    layer, as vLLM's calculate_kv_scales; 1.0 for all-zero ones). Later keys past that
+    range saturate, as they do in vLLM."""
+    top = torch.finfo(layer.kv_cache.dtype).max
+    pair = []
+    for x in (k, v):
+        amax = x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros(())
+        pair.append(torch.where(amax > 0, amax / top, torch.ones_like(amax)))
+    ks, vs = (p.reshape(1).expand(layer.num_kv_heads).clone() for p in pair)
+    layer.kv_scales = torch.stack([ks, vs, 1 / ks, 1 / vs]).contiguous()
+    group = layer.num_heads // layer.num_kv_heads
+    layer.kv_head_scales = torch.stack([ks, vs]).repeat_interleave(group, dim=1)
+    layer.calibrate_kv_scales = False
 
 
 def scale_for_cache(

@@ -105,7 +105,7 @@ class SharedCacheDrafter:
         self.kv_cache_specs: list[KVCacheSpec] = [
             layer.get_kv_cache_spec(self.block_size, kv_dtype) for layer in self.attention_layers
         ]
-        use_kv_scales(self.attention_layers, kv_dtype)
+        use_kv_scales(self.attention_layers, kv_dtype, engine.cache.calculate_kv_scales)
         self.backend = backend
         self.sampler = sampler
         self.watermarker = None  # set by the runner when the engine watermarks

@@ -85,7 +85,7 @@ class ModelRunner:
                 "attention; this model's latent (MLA) cache keeps the model's dtype: "
                 "use kv_cache_dtype='auto'"
             )
-        use_kv_scales(self.attention_layers, kv_dtype)
+        use_kv_scales(self.attention_layers, kv_dtype, config.cache.calculate_kv_scales)
         # verifying k drafts is a decode of 1 + k query tokens
         self.attn_backend = select_attention_backend(
             config.attention_backend, self.kernels, config.decode_query_len, self._spec_type()

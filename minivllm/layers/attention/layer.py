@@ -9,7 +9,7 @@ from torch import nn
 
 from minivllm.layers.attention.kv_cache_spec import FullAttentionSpec, KVCacheSpec
 from minivllm.layers.forward_context import get_forward_context
-from minivllm.quantization.kv_cache import scale_for_cache, unscale_output
+from minivllm.quantization.kv_cache import calibrate_kv_scales, scale_for_cache, unscale_output
 
 
 class AttentionLayerBase(nn.Module):
@@ -49,6 +49,7 @@ class Attention(AttentionLayerBase):
         # [2, H] fp32, set once the cache's dtype is known; None: keys stored as they are
         self.kv_scales: torch.Tensor | None = None
         self.kv_head_scales: torch.Tensor | None = None
+        self.calibrate_kv_scales = False  # calculate_kv_scales: set them on the next forward
 
     def get_kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
         return FullAttentionSpec(
@@ -61,6 +62,8 @@ class Attention(AttentionLayerBase):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.calibrate_kv_scales:
+            calibrate_kv_scales(self, k, v)
         if self.kv_scales is not None:
             q, k, v = scale_for_cache(self, q, k, v)
         out = backend.forward(self, q, k, v, self.kv_cache, metadata)
