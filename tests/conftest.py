@@ -223,7 +223,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     from minivllm.kernels.isa import cpu_flags, cpu_has_avx512_bf16, cpu_model, isa_summary
 
     fast = "on" if cpu_has_avx512_bf16() else "OFF (no AVX512-BF16: kernel tests skip)"
-    avx2 = "on" if {"avx2", "fma"} <= cpu_flags() else "OFF (no AVX2/FMA)"
+    avx2 = "on" if {"avx2", "fma", "f16c"} <= cpu_flags() else "OFF (no AVX2/FMA/F16C)"
     return [
         f"CPU: {cpu_model()} [{isa_summary()}]; bf16 kernel path: {fast}; "
         f"fp32 AVX2 kernel path: {avx2}"

@@ -142,14 +142,15 @@ def test_integer_form_propagates_nan_and_inf(avx2, scheme, group, m):
 @needs_avx2
 @pytest.mark.parametrize("m", [1, 40])
 def test_fp8_decoding_ignores_flush_to_zero(avx2, m):
-    """fp8's subnormal codes decode through fp32 subnormals: the op keeps them even when the
-    caller's threads flush denormals (torch.set_flush_denormal sets MXCSR's DAZ/FTZ), and
-    leaves the caller's setting as it found it. Rows of positive subnormal codes only
-    (0x01-0x07, m * 2^-9) with positive x: flushed, every output would be 0; 64 rows so
-    both threads' chunks run."""
-    codes = torch.arange(1, 8, dtype=torch.uint8).repeat(32)  # K = 224
+    """fp8's subnormal codes decode exactly even when the caller's threads flush denormals
+    (torch.set_flush_denormal sets MXCSR's DAZ/FTZ): the vector decode goes through fp16
+    (normal in fp32), the scalar tail (K % 16) through fp32 subnormals, which the op keeps
+    by clearing DAZ/FTZ for the call and restoring the caller's setting. Rows of positive
+    subnormal codes only (0x01-0x07, m * 2^-9) with positive x: flushed, every output
+    would be 0; K = 231 (a 7-k tail); 64 rows so both threads' chunks run."""
+    codes = torch.arange(1, 8, dtype=torch.uint8).repeat(33)  # K = 231
     qw = formats.from_fp8_values(codes.repeat(64, 1), torch.ones(64))
-    x = torch.rand(m, 224) + 0.5
+    x = torch.rand(m, 231) + 0.5
     ref = x.double() @ formats.dequantize(qw).double().T
     assert bool((ref > 0).all())
     if not torch.set_flush_denormal(True):

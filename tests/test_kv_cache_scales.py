@@ -69,9 +69,9 @@ def _hf_logprobs(hf, ids: list[int], scales: list | None) -> torch.Tensor:
 
     class ScaledFp8Cache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            def rounded(x, s):  # x [batch, Hkv, T, D], s [Hkv]
+            def rounded(x, s):  # x [batch, Hkv, T, D], s [Hkv]; x / s as the engine computes it
                 s = s.view(1, -1, 1, 1)
-                return to_cache_dtype(x / s, torch.float8_e4m3fn).to(x.dtype) * s
+                return to_cache_dtype(x * (1 / s), torch.float8_e4m3fn).to(x.dtype) * s
 
             one = torch.ones(key_states.shape[1])
             ks, vs = scales[layer_idx] if scales is not None else (one, one)
@@ -331,26 +331,79 @@ def test_a_draft_model_with_scales(make_checkpoint, tmp_path_factory):
     assert llm.llm_engine.stats().spec_decode.num_accepted_tokens > 0
 
 
-def test_calculate_kv_scales(make_checkpoint, tmp_path_factory):
+def _first_batch_amax(hf, first: list[list[int]]) -> list[tuple[float, float]]:
+    """Per layer, the largest |key| (after the rotary embedding) and |value| transformers
+    computes for the token lists `first` (each from its request's start)."""
+    from transformers.cache_utils import DynamicCache
+
+    amax: dict[int, list[float]] = {}
+
+    class Observer(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            k, v = key_states.abs().max().item(), value_states.abs().max().item()
+            old = amax.get(layer_idx, [0.0, 0.0])
+            amax[layer_idx] = [max(old[0], k), max(old[1], v)]
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    with torch.no_grad():
+        for ids in first:
+            hf(torch.tensor([ids]), cache=Observer(), use_cache=True)
+    return [tuple(amax[i]) for i in sorted(amax)]
+
+
+@pytest.mark.parametrize("one_token_first", [False, True])
+def test_calculate_kv_scales(make_checkpoint, tmp_path_factory, one_token_first):
     """calculate_kv_scales on the model with small keys and values and no checkpoint
-    scales: each layer's scales come from its first forward (the first 8-token chunk), and
-    the logprobs follow transformers holding fp8 numbers scaled by those, far from unscaled
-    fp8. Without an fp8 cache the option is an error."""
+    scales: each layer's scales are its first step's largest |key| / 200 and |value| / 100
+    (vLLM's constants), that step's keys and values taken from transformers; the logprobs
+    then follow transformers holding fp8 numbers scaled by them, far from unscaled fp8.
+    The first step is the first 8-token chunk (the 3-token prompt and 5 tokens of the
+    next), or a one-token prompt alone, which decodes at once: it must still calibrate
+    (not take the fused step, which does not). Without an fp8 cache the option is an
+    error."""
     from transformers import AutoModelForCausalLM
 
     plain = _checkpoint(make_checkpoint, tmp_path_factory, "tensor")[0]
-    llm = _llm(plain, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    # the torch path: its linears round as transformers' do, so the keys the first step
+    # calibrates on are transformers' bit for bit (on the kernels a last-bit difference
+    # can tip an fp8 rounding in layer 0 and move every later layer's keys)
+    llm = _llm(plain, kv_cache_dtype="fp8", calculate_kv_scales=True, cpu_kernels=False)
     layers = llm.llm_engine.executor.runner.attention_layers
     assert all(layer.kv_scales is None for layer in layers)
+    hf = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    if one_token_first:
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [42]}], params, use_tqdm=False)
+        first = [[42]]
+    else:
+        first = [list(range(5, 8)), list(range(5, 10))]
     outs = scored_generations(llm)
     scales = [(layer.kv_scales[0], layer.kv_scales[1]) for layer in layers]
-    assert all(float(ks[0]) < 1e-3 for ks, _ in scales)  # the keys are small: so the scales
-    hf = AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32).eval()
+    # layer 0's keys and values are the model's; later layers' already read the scaled
+    # fp8 cache of the layers before them, so only the first is checked against plain HF
+    (ks, vs), (k_top, v_top) = scales[0], _first_batch_amax(hf, first)[0]
+    assert torch.allclose(ks, torch.tensor(k_top / 200), rtol=1e-5), (ks, k_top)
+    assert torch.allclose(vs, torch.tensor(v_top / 100), rtol=1e-5), (vs, v_top)
     assert_closer_to_oracle(
         outs, lambda ids: _hf_logprobs(hf, ids, scales), lambda ids: _hf_logprobs(hf, ids, None)
     )
     with pytest.raises(ValueError, match="calculate_kv_scales scales an fp8 KV cache"):
         _llm(plain, calculate_kv_scales=True)
+
+
+def test_calculate_kv_scales_before_the_fused_step(make_checkpoint, tmp_path_factory):
+    """On the kernels a one-token prompt's first step only decodes, which the AVX2 fused
+    step would run without calibrating: the runner routes it through the model until every
+    layer has its scales, and the fused step takes over after."""
+    plain = _checkpoint(make_checkpoint, tmp_path_factory, "tensor")[0]
+    llm = _llm(plain, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    runner = llm.llm_engine.executor.runner
+    if runner.fused_decode is None:
+        pytest.skip("no fused decode step here (the AVX2 kernels did not build)")
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [42]}], params, use_tqdm=False)
+    assert all(layer.kv_scales is not None for layer in runner.attention_layers)
+    assert not runner._kv_calibration_pending
 
 
 def test_serve_takes_calculate_kv_scales():

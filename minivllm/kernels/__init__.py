@@ -1,7 +1,7 @@
 """Optional CPU kernels, compiled on first use with torch's cpp_extension (gcc is enough).
 
 Two families, each its own extension module: the bf16 one for CPUs with AVX512-BF16
-(`get_cpu_kernels`) and the fp32 one for CPUs with only AVX2 + FMA (`get_avx2_kernels`).
+(`get_cpu_kernels`) and the fp32 one for CPUs with only AVX2 + FMA (+ F16C) (`get_avx2_kernels`).
 Each kernel has a plain-PyTorch fallback; the getters return None where the CPU lacks
 the instructions, the compiler is missing, or the build fails. Layers reach
 the ops through `registry.Kernels`, never this module. The build lands in the user's
@@ -34,7 +34,7 @@ _AVX2_FLAGS = ["-mavx2", "-mfma", "-mf16c"]
 
 @cache
 def get_avx2_kernels() -> ModuleType | None:
-    """The fp32 AVX2 + FMA family (avx2_*.cpp), for CPUs without AVX-512."""
+    """The fp32 AVX2 + FMA (+ F16C) family (avx2_*.cpp), for CPUs without AVX-512."""
     if not {"avx2", "fma", "f16c"} <= cpu_flags():
         return None
     return _build_family(

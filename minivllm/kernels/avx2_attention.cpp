@@ -22,7 +22,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -181,9 +180,6 @@ void decode_all(const paged_decode::Shape& shape, const float* qp, const T* kp, 
   paged_decode::for_each_row_head(
       shape.B, shape.Hkv, sl, bt, shape.max_blocks, BS, window, CHUNK,
       [&](int64_t b, int64_t h, const std::vector<Chunk>& chunks, std::vector<float>& scratch) {
-        // fp8's subnormals are read as fp32 subnormals (load8)
-        std::optional<KeepSubnormals> keep;
-        if constexpr (sizeof(T) == 1) keep.emplace();
         attend_one(qp + (b * Hq + h * G) * D, kp + h * NB * BS * D, vp + h * NB * BS * D, chunks, G, D, sc,
                    op + (b * Hq + h * G) * D, scratch);
       },

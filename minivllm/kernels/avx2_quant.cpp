@@ -34,8 +34,8 @@
 // formats.reference_linear only in their sums' order, the integer form by x's rounding):
 //   int8  vpmovsxbw, 16 k per vector (integer form); vpmovsxbd + vcvtdq2ps, 8 k (panels).
 //   fp8   e4m3 bytes moved into fp16 bit patterns (the value times 2^-8, subnormals
-//         included), widened by F16C's vcvtph2ps and multiplied by 2^8 (avx2_math.h's
-//         fp8x8); exact whatever MXCSR's DAZ/FTZ say. The scalar tail (fp8_scalar) moves
+//         included) and widened by F16C's vcvtph2ps (avx2_math.h's fp8x8_fp16), the 2^8
+//         folded into the row's scale (Fp8Unit::kScale); exact whatever MXCSR's DAZ/FTZ say. The scalar tail (fp8_scalar) moves
 //         the bits into fp32 instead, which needs subnormal inputs kept: each thread
 //         clears DAZ/FTZ for the call.
 //   int4  a 16-byte chunk holds k 0-15 in its low nibbles and 16-31 in its high ones

@@ -15,7 +15,7 @@ from functools import cache
 _CAPPED_PREFIXES = {"avx2": ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")}
 
 # the extensions minivllm's kernels or its start-up log care about
-_REPORTED = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
+_REPORTED = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 @cache

@@ -95,7 +95,7 @@ def _load_avx2() -> ModuleType | None:
     return get_avx2_kernels()
 
 
-# fp32 engines on any CPU with AVX2 + FMA: the default dtype where there is no AVX512-BF16
+# fp32 engines on any CPU with AVX2 + FMA (+ F16C, which every AVX2 CPU has): the default dtype where there is no AVX512-BF16
 # (config.resolve_dtype). Registered after the bf16 family: a dtype picks one or the other.
 AVX2 = KernelKey("cpu", torch.float32, "avx2")
 register_family(

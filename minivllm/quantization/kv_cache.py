@@ -21,6 +21,8 @@ fp8 attention computation would use, are read and left unused.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -104,6 +106,10 @@ def use_kv_scales(layers: list[nn.Module], kv_dtype: torch.dtype, calculate: boo
         from minivllm.layers.attention.layer import Attention
 
         calibrated = [layer for layer in layers if type(layer) is Attention]
+        if any(isinstance(getattr(layer, "k_scale", None), nn.Parameter) for layer in calibrated):
+            logger.warning(
+                "calculate_kv_scales: the checkpoint's own KV-cache scales go unused (as in vLLM)"
+            )
         for layer in calibrated:
             layer.kv_scales = layer.kv_head_scales = None
             layer.calibrate_kv_scales = True
@@ -159,21 +165,50 @@ def use_kv_scales(layers: list[nn.Module], kv_dtype: torch.dtype, calculate: boo
         )
 
 
+# vLLM's calculate_kv_scales divides the first forward's largest |k| by 200 and |v| by 100
+# (its K_SCALE_CONSTANT, V_SCALE_CONSTANT), leaving e4m3 (largest value 448) 2.2x and 4.5x
+# headroom for keys and values larger than the first batch's before they saturate.
+K_SCALE_DIVISOR, V_SCALE_DIVISOR = 200.0, 100.0
+
+
 def calibrate_kv_scales(layer: nn.Module, k: torch.Tensor, v: torch.Tensor) -> None:
-    """`layer`'s scales from the keys and values [T, Hkv, D] of its first forward: the
-    largest magnitude of each over the cache dtype's largest finite value (one scale per
-    layer, as vLLM's calculate_kv_scales; 1.0 for all-zero ones). Later keys past that
-    range saturate, as they do in vLLM."""
-    top = torch.finfo(layer.kv_cache.dtype).max
+    """`layer`'s scales from the keys and values [T, Hkv, D] of its first forward with
+    any: the largest magnitude of each over K_SCALE_DIVISOR / V_SCALE_DIVISOR (one scale
+    per layer and tensor-parallel rank, as vLLM's calculate_kv_scales). A forward without
+    tokens, or whose largest key or value is zero or not finite, leaves the layer to
+    calibrate on the next one."""
+    if k.numel() == 0:
+        return
     pair = []
-    for x in (k, v):
-        amax = x.detach().abs().amax().to(torch.float32) if x.numel() else torch.zeros(())
-        pair.append(torch.where(amax > 0, amax / top, torch.ones_like(amax)))
+    for x, divisor in ((k, K_SCALE_DIVISOR), (v, V_SCALE_DIVISOR)):
+        scale = x.detach().abs().amax().to(torch.float32) / divisor
+        if (
+            not bool(torch.isfinite(scale))
+            or not bool(scale > 0)
+            or not bool(1 / scale < float("inf"))
+        ):
+            return
+        pair.append(scale)
     ks, vs = (p.reshape(1).expand(layer.num_kv_heads).clone() for p in pair)
     layer.kv_scales = torch.stack([ks, vs, 1 / ks, 1 / vs]).contiguous()
     group = layer.num_heads // layer.num_kv_heads
     layer.kv_head_scales = torch.stack([ks, vs]).repeat_interleave(group, dim=1)
     layer.calibrate_kv_scales = False
+
+
+@contextmanager
+def suspended_kv_calibration(layers: list[nn.Module]) -> Iterator[None]:
+    """No layer calibrates inside (forwards on dummy tokens, e.g. adaptive verification's
+    timing runs); those that were waiting to still are after."""
+    waiting = [layer for layer in layers if getattr(layer, "calibrate_kv_scales", False)]
+    for layer in waiting:
+        layer.calibrate_kv_scales = False
+    try:
+        yield
+    finally:
+        for layer in waiting:
+            layer.calibrate_kv_scales = True
+            layer.kv_scales = layer.kv_head_scales = None
 
 
 def scale_for_cache(

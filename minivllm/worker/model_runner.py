@@ -21,7 +21,7 @@ from minivllm.layers.forward_context import ForwardContext, forward_context
 from minivllm.layers.fused_decode import Avx2FusedDecode, FusedLlamaDecode
 from minivllm.layers.sampler import Sampler
 from minivllm.loader.model_loader import get_model
-from minivllm.quantization.kv_cache import use_kv_scales
+from minivllm.quantization.kv_cache import suspended_kv_calibration, use_kv_scales
 from minivllm.spec_decode.draft_model import DraftModelProposer
 from minivllm.spec_decode.eagle import EagleProposer
 from minivllm.spec_decode.ngram import NgramProposer
@@ -86,6 +86,7 @@ class ModelRunner:
                 "use kv_cache_dtype='auto'"
             )
         use_kv_scales(self.attention_layers, kv_dtype, config.cache.calculate_kv_scales)
+        self._kv_calibration_pending = config.cache.calculate_kv_scales
         # verifying k drafts is a decode of 1 + k query tokens
         self.attn_backend = select_attention_backend(
             config.attention_backend, self.kernels, config.decode_query_len, self._spec_type()
@@ -210,7 +211,10 @@ class ModelRunner:
             self.spec_decoder.proposer.kv_cache_allocated()
         spec = self.config.speculative_config
         if spec is not None and spec.enable_adaptive_verification:
-            self.spec_decoder.enable_adaptive(profile_step_cost(self, num_blocks))
+            # timing runs on dummy tokens: calculate_kv_scales must not calibrate on them
+            drafter = getattr(self.spec_decoder.proposer, "attention_layers", [])
+            with suspended_kv_calibration([*self.attention_layers, *drafter]):
+                self.spec_decoder.enable_adaptive(profile_step_cost(self, num_blocks))
 
     def _build_hisparse(self, num_blocks: int):
         from minivllm.distributed.parallel_state import get_tp_rank
@@ -268,10 +272,19 @@ class ModelRunner:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """The decoder's hidden states: in one C++ call when every request decodes and the
         model is on the fused path, else layer by layer."""
-        if self.fused_decode is not None and not attn.prefill_req_indices:
+        # calculate_kv_scales: the layers calibrate in their own forward, so until they
+        # have, every step runs through the model (a first step may only decode: a
+        # one-token prompt)
+        fused = self.fused_decode is not None and not self._kv_calibration_pending
+        if fused and not attn.prefill_req_indices:
             return self.fused_decode(input_ids, positions, attn)
         with forward_context(ForwardContext((self.attn_backend, attn))):
-            return self.model(input_ids, positions)
+            hidden = self.model(input_ids, positions)
+        if self._kv_calibration_pending:
+            self._kv_calibration_pending = any(
+                getattr(layer, "calibrate_kv_scales", False) for layer in self.attention_layers
+            )
+        return hidden
 
     def _update_states(self, out: SchedulerOutput) -> None:
         for req_id in out.removed_req_ids:
