@@ -130,7 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         default=d["calculate_kv_scales"],
         help="with an fp8 KV cache: scale each layer's keys and values by their largest "
-        "magnitude in the layer's first forward (over fp8's largest value), instead of the "
+        "magnitude in the first batch (keys / 200, values / 100, as vLLM), instead of the "
         "checkpoint's scales or none",
     )
     cache.add_argument(
