@@ -30,9 +30,13 @@ def _fp8(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
 
 
-def write_hf_fp8(src: Path, out: Path, block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+def write_hf_fp8(
+    src: Path, out: Path, block: tuple[int, int] | None, per_tensor_name: str = "weight_scale"
+) -> dict[str, torch.Tensor]:
     """`src` (an fp32 checkpoint) in transformers' fp8 format; returns the dequantized
-    weight of each converted linear, by module name."""
+    weight of each converted linear, by module name. Per-tensor scales are named
+    `per_tensor_name` ("weight_scale" as vLLM writes them, a [1] tensor; "weight_scale_inv"
+    as transformers does, 0-d)."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
@@ -46,7 +50,8 @@ def write_hf_fp8(src: Path, out: Path, block: tuple[int, int] | None) -> dict[st
         if block is None:
             scale = (w.abs().amax() / 448).reshape(1)
             full = scale
-            state[f"{name}.weight_scale"] = scale
+            stored = scale if per_tensor_name == "weight_scale" else scale.reshape(())
+            state[f"{name}.{per_tensor_name}"] = stored
         else:
             rows, cols = block
             blocks = w.abs().unflatten(0, (-1, rows)).unflatten(-1, (-1, cols)).amax(dim=(1, 3))
@@ -139,6 +144,34 @@ def test_per_tensor_fp8(make_checkpoint, tmp_path):
         for name, weight in dequantized.items():
             hf.get_submodule(name).weight.copy_(weight)
     assert_logprobs_match(hf, PROMPTS, _generate(llm), tol=QUANTIZED_FP32_TOL)
+
+
+def test_per_tensor_fp8_as_transformers_saves_it(make_checkpoint, tmp_path):
+    """transformers' own per-tensor fp8 files name the scale `weight_scale_inv` (0-d): the
+    same scales load, and the logprobs follow transformers loading the file."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    out = tmp_path / "fp8"
+    write_hf_fp8(make_checkpoint("Qwen3ForCausalLM"), out, None, "weight_scale_inv")
+    llm = LLM(str(out), dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=128)
+    qkv = llm.llm_engine.executor.runner.model.model.layers[0].self_attn.qkv_proj
+    assert len(set(qkv.quant_method.quant_weights.scale.tolist())) == 3
+    hf = AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    assert_logprobs_match(hf, PROMPTS, _generate(llm), tol=QUANTIZED_FP32_TOL)
+
+
+def test_a_missing_fp8_scale_is_an_error(make_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "fp8"
+    write_hf_fp8(make_checkpoint("Qwen3ForCausalLM"), out, None)
+    tensors = load_file(out / "model.safetensors")
+    del tensors["model.layers.0.self_attn.k_proj.weight_scale"]
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="holds no weight_scale"):
+        LLM(str(out), dtype="float32", max_model_len=64)
 
 
 def test_unsupported_fp8_checkpoints_are_refused(make_checkpoint, tmp_path):

@@ -100,9 +100,21 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
             layer, self.scale_name, (output_size, scale_cols), torch.float32, scale_loader, raw=raw
         )
         if spec.scheme == "fp8_w8a16":
-            # a static fp8 checkpoint's activation scales: read, not used (weight-only)
-            self._add(layer, "input_scale", (0,), torch.float32, _ignore)
-            layer.input_scale.optional_checkpoint_tensor = True
+            # a static fp8 checkpoint's activation scales (`activation_scale` where
+            # transformers saved it): read, not used (weight-only)
+            for name in ("input_scale", "activation_scale"):
+                self._add(layer, name, (0,), torch.float32, _ignore)
+                getattr(layer, name).optional_checkpoint_tensor = True
+        if self.per_tensor and self.source == "fp8":
+            # transformers' fp8 format names a per-tensor scale `weight_scale_inv` where
+            # vLLM's names it `weight_scale`: either fills the scale, and a missing one is
+            # caught after loading (it stays NaN)
+            main = getattr(layer, self.scale_name)
+            main.data.fill_(float("nan"))
+            main.optional_checkpoint_tensor = True
+            alias = "weight_scale_inv" if self.scale_name == "weight_scale" else "weight_scale"
+            self._add(layer, alias, (0,), torch.float32, _into(main, scale_loader))
+            getattr(layer, alias).optional_checkpoint_tensor = True
         if grouped and not spec.symmetric:
             self._add(
                 layer,
@@ -127,6 +139,11 @@ class CompressedTensorsLinearMethod(QuantizedLinearMethod):
             values = layer.weight
         values = values.data
         scale = getattr(layer, self.scale_name).data
+        if bool(scale.isnan().any()):
+            raise ValueError(
+                "a quantized layer's checkpoint holds no weight_scale (nor weight_scale_inv) "
+                "for some of its rows"
+            )
         if spec.scheme == "fp8_w8a16":
             per_row = scale if self.block else scale[:, 0]
             qw = formats.from_fp8_values(values, per_row, self.group_size)
@@ -222,6 +239,15 @@ def _block_rows(loader: WeightLoader, layer: nn.Module, block: tuple[int, int]) 
             )
         per_row = _scale_values(loaded).repeat_interleave(rows, dim=0)[:n]
         loader(param, per_row, shard_id)
+
+    return load
+
+
+def _into(target: nn.Parameter, loader: WeightLoader) -> WeightLoader:
+    """A loader for a second name of `target`'s tensor: it loads into `target`."""
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
+        loader(target, loaded, shard_id)
 
     return load
 
