@@ -37,11 +37,11 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ABSENT = -1.0  # a scale the checkpoint did not hold (replaced by 1.0, with a warning)
 
 
-def add_kv_scale_parameters(model: nn.Module, scheme: KVCacheScheme, hf_config: Any) -> int:
+def add_kv_scale_parameters(model: nn.Module, scheme: KVCacheScheme, hf_config: Any) -> None:
     """Give each full-attention layer `k_scale` and `v_scale` parameters, fp32, one value per
-    local KV head (a per-layer scale repeated), which the checkpoint may fill. Returns how
-    many layers took them; where none can (a latent MLA cache), the model is marked so that
-    the loader reads the checkpoint's scales and leaves them unused."""
+    local KV head (a per-layer scale repeated), which the checkpoint may fill. Where no layer
+    can (a latent MLA cache), the model is marked so that the loader reads the checkpoint's
+    scales and leaves them unused."""
     from minivllm.layers.attention.layer import Attention
 
     total_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
@@ -58,7 +58,6 @@ def add_kv_scale_parameters(model: nn.Module, scheme: KVCacheScheme, hf_config: 
             layer.register_parameter(which, param)
     if not layers:
         model.unused_kv_cache_scales = True
-    return len(layers)
 
 
 class _ScaleLoader:
@@ -133,9 +132,7 @@ def use_kv_scales(layers: list[nn.Module], kv_dtype: torch.dtype, calculate: boo
             k = v = torch.maximum(k, v)
             shared += 1
         if kv_dtype in FP8_DTYPES:
-            layer.kv_scales = torch.stack([k, v, 1 / k, 1 / v]).contiguous()
-            group = layer.num_heads // layer.num_kv_heads
-            layer.kv_head_scales = torch.stack([k, v]).repeat_interleave(group, dim=1)
+            _set_scales(layer, k, v)
         else:
             layer.kv_scales = layer.kv_head_scales = None
     if absent or shared:
@@ -189,11 +186,18 @@ def calibrate_kv_scales(layer: nn.Module, k: torch.Tensor, v: torch.Tensor) -> N
         ):
             return
         pair.append(scale)
-    ks, vs = (p.reshape(1).expand(layer.num_kv_heads).clone() for p in pair)
+    ks, vs = (p.reshape(1).expand(layer.num_kv_heads) for p in pair)
+    _set_scales(layer, ks, vs)
+    layer.calibrate_kv_scales = False
+
+
+def _set_scales(layer: nn.Module, ks: torch.Tensor, vs: torch.Tensor) -> None:
+    """`layer`'s scales from k_scale and v_scale per local KV head: `kv_scales` [4, Hkv]
+    (with the reciprocals, for the fused step) and `kv_head_scales` [2, H] (per query head,
+    so that a step multiplies without expanding them)."""
     layer.kv_scales = torch.stack([ks, vs, 1 / ks, 1 / vs]).contiguous()
     group = layer.num_heads // layer.num_kv_heads
     layer.kv_head_scales = torch.stack([ks, vs]).repeat_interleave(group, dim=1)
-    layer.calibrate_kv_scales = False
 
 
 @contextmanager
