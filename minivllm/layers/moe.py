@@ -60,11 +60,26 @@ def moe_reference(
 ) -> torch.Tensor:
     """Each token through its chosen experts (SiLU-gated), weighted and summed: the plain
     PyTorch path, one pass per expert that any token chose."""
+    return routed_experts(
+        x, weights, ids, lambda e, rows: F.linear(rows, w13[e]), lambda e, h: F.linear(h, w2[e])
+    )
+
+
+def routed_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    up: Callable[[int, torch.Tensor], torch.Tensor],
+    down: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The routing loop with each expert's two products given: `up(e, rows)` is expert e's
+    gate and up projections (gate first), `down(e, h)` its down projection. Quantized
+    experts (`quantization/moe_method.py`) pass their own ops here."""
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
         token_idx, slot = torch.where(ids == expert)
-        gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[expert])
+        gate, up_half = up(expert, x[token_idx]).chunk(2, dim=-1)
+        h = down(expert, F.silu(gate) * up_half)
         # a token picks an expert at most once: plain indexed adds (index_add_ is far
         # slower on CPU), in the same order of experts as transformers'
         out[token_idx] += (h * weights[token_idx, slot, None]).to(out.dtype)
@@ -126,7 +141,11 @@ class FusedMoE(CustomOp):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.moe_op: Callable[..., torch.Tensor] | None = None
+        # a quantized experts method (`quantization/moe_method.py`), or None: w13 and w2
+        # in the model's dtype
+        self.quant_method = None
         self.num_experts = num_experts
+        self.hidden_size = hidden_size
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.intermediate = divide(intermediate_size, self.tp_size)
         self.w13 = nn.Parameter(
@@ -159,7 +178,9 @@ class FusedMoE(CustomOp):
         return self.moe_op is not None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.moe_op is not None and x.dtype == torch.bfloat16:
+        if self.quant_method is not None:
+            out = self.quant_method.apply(self, x, weights, ids)
+        elif self.moe_op is not None and x.dtype == torch.bfloat16:
             out = self.moe_op(x.contiguous(), self.w13, self.w2, weights, ids)
         else:
             out = moe_reference(x, self.w13, self.w2, weights, ids)

@@ -17,6 +17,7 @@ from minivllm.layers.custom_op import CustomOp
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
+from minivllm.layers.moe import FusedMoE
 from minivllm.loader.safetensors_loader import iterate_weights
 from minivllm.models.registry import resolve_model_class
 from minivllm.quantization.method import log_backends
@@ -129,7 +130,14 @@ def process_weights_after_loading(
             # the LM head now holds the tied table as bf16 panels: the embedding reads
             # its rows from them (`panel_rows`) rather than keep the fp32 table too
             table.weight = module.weight
-    log_backends(linears)
+    # quantized routed experts (quantization/moe_method.py); unquantized ones need nothing
+    experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_method]
+    for module in experts:
+        if mapped:
+            module.quant_method.process_weights_after_mapping(module, kernels)
+        else:
+            module.quant_method.process_weights_after_loading(module, kernels)
+    log_backends(linears + experts)
     if arena.bytes_placed > placed:
         logger.info(
             "quantized weights on huge pages: %.2f GiB (%.2f s; MINIVLLM_HUGE_PAGES=0 skips)",

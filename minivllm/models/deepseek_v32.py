@@ -35,7 +35,7 @@ from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.models.llama import LlamaDecoderLayer, LlamaModel
 from minivllm.models.weights import load_weights_strict
 
-_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_WEIGHT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -297,16 +297,30 @@ class DeepseekV32ForCausalLM(nn.Module):
                 if match is None:
                     yield name, tensor
                     continue
-                owner, expert, proj = match.group(1), int(match.group(2)), match.group(3)
-                if tensor.element_size() < 2 or not tensor.is_floating_point():
-                    raise ValueError(
-                        f"{name} is stored as {tensor.dtype}: quantized routed experts (fp8 "
-                        "or int checkpoints of MoE models) are not supported; use the model's "
-                        "bf16 checkpoint (and --quantization for its linear layers)"
-                    )
+                owner, expert, proj, suffix = match.groups()
+                expert = int(expert)
                 if (owner, expert, proj) not in expected:
                     raise ValueError(f"unexpected weight {name!r}: the model has no such expert")
-                modules[owner].load_expert_weight(expert, proj, tensor.to(modules[owner].w13.dtype))
+                module = modules[owner]
+                if module.quant_method is not None and hasattr(
+                    module.quant_method, "load_expert_tensor"
+                ):  # the checkpoint stores them quantized (quantization/moe_method.py)
+                    module.quant_method.load_expert_tensor(module, expert, proj, suffix, tensor)
+                    loaded.add((owner, expert, proj))
+                    continue
+                if suffix != "weight":
+                    raise ValueError(
+                        f"unexpected weight {name!r}: the checkpoint's config declares no "
+                        "quantization for the routed experts"
+                    )
+                if tensor.element_size() < 2 or not tensor.is_floating_point():
+                    raise ValueError(
+                        f"{name} is stored as {tensor.dtype}, but the checkpoint's config "
+                        "declares no quantization for its routed experts (quantized routed "
+                        "experts load from a quantization_config: transformers' fp8 or "
+                        "compressed-tensors)"
+                    )
+                module.load_expert_weight(expert, proj, tensor.to(module.w13.dtype))
                 loaded.add((owner, expert, proj))
 
         skip = tuple(stacked) + (("lm_head.weight",) if self.config.tie_word_embeddings else ())

@@ -16,19 +16,29 @@ from torch import nn
 
 from minivllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.linear import LinearBase
+from minivllm.layers.moe import FusedMoE
 from minivllm.quantization.config import QuantizationConfig
 
 logger = logging.getLogger("minivllm")
 
 
 def quantizable_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The linear layers, the LM head and the token embedding, by module name."""
-    kinds = (LinearBase, VocabParallelEmbedding)
+    """The linear layers, the routed experts, the LM head and the token embedding, by
+    module name."""
+    kinds = (LinearBase, VocabParallelEmbedding, FusedMoE)
     return [(n, m) for n, m in model.named_modules() if isinstance(m, kinds)]
 
 
 def shard_names(model: nn.Module, name: str) -> list[str]:
-    """The checkpoint module names a fused module is built from (`q_proj`, ...), or []."""
+    """The checkpoint module names a fused module is built from (`q_proj`, ...; a MoE
+    layer's `experts.0.gate_proj` ... `experts.{E-1}.down_proj`), or []."""
+    module = model.get_submodule(name) if name else model
+    if isinstance(module, FusedMoE):
+        return [
+            f"{name}.{e}.{proj}"
+            for e in range(module.num_experts)
+            for proj in ("gate_proj", "up_proj", "down_proj")
+        ]
     packed = getattr(model, "packed_modules", {})
     parent, _, leaf = name.rpartition(".")
     return [
@@ -46,6 +56,7 @@ def assign_quant_methods(
     `checkpoint` (a `compressed_tensors.CheckpointQuantization`, or None) names the layers
     the checkpoint stores quantized; `config`'s targets apply to the others only."""
     from minivllm.quantization.method import QuantizedLinearMethod
+    from minivllm.quantization.moe_method import CheckpointMoEMethod, QuantizedMoEMethod
 
     modules = quantizable_modules(model)
     backends = config.backends if config else {}
@@ -53,6 +64,12 @@ def assign_quant_methods(
     for name, module in modules:
         shards = shard_names(model, name)
         stored = checkpoint.spec_for(name, shards) if checkpoint is not None else None
+        if stored is not None and isinstance(module, FusedMoE):
+            method = CheckpointMoEMethod(stored, backends.get(stored.spec.scheme))
+            method.create_weights(module)
+            module.quant_method = method
+            chosen[(str(stored), f"the checkpoint, {stored.format}")][_kind(name)] += 1
+            continue
         if stored is not None:
             method = checkpoint.method_for(stored, backends.get(stored.spec.scheme))
             _swap(model, name, module, method, recreate=True)
@@ -62,6 +79,10 @@ def assign_quant_methods(
         if hit is None:
             continue
         spec, pattern = hit
+        if isinstance(module, FusedMoE):
+            module.quant_method = QuantizedMoEMethod(spec, backends.get(spec.scheme))
+            chosen[(str(spec), f"target {pattern!r}")][_kind(name)] += 1
+            continue
         _swap(model, name, module, QuantizedLinearMethod(spec, backends.get(spec.scheme)), False)
         chosen[(str(spec), f"target {pattern!r}")][_kind(name)] += 1
     if config is not None:

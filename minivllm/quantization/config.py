@@ -3,7 +3,8 @@
 vLLM v0.30's targeted online quantization (PR #51285), in our words:
 
 - `quantization="int8" | "int4" | "fp8"` (or a scheme id such as "int8_w8a8") quantizes
-  every linear layer but the LM head with one scheme, minus those `ignore` lists.
+  every linear layer but the LM head, and every MoE layer's routed experts, with one
+  scheme, minus those `ignore` lists.
 - `quantization="online"` with `quantization_config={"targets": {pattern: scheme},
   "ignore": [patterns]}` quantizes only the targeted layers. A pattern is an exact
   module name, `re:REGEX` (Python `re.match`: anchored at the start only), or else an
@@ -12,8 +13,10 @@ vLLM v0.30's targeted online quantization (PR #51285), in our words:
   each checkpoint shard (`q_proj`, `k_proj`, `v_proj`) must match exactly one target
   and all shards the same scheme, or the model is refused.
 - The LM head and the token embedding are quantized only by a pattern that names them
-  (contains "lm_head" / "embed_tokens"): catch-alls such as "*" cover the linear layers,
-  as vLLM's targets cover `LinearBase` only.
+  (contains "lm_head" / "embed_tokens"): catch-alls such as "*" cover the linear layers
+  and routed experts, as vLLM's targets cover `LinearBase` and routed experts only. A MoE layer's experts
+  are one fused layer (`...mlp.experts`) whose shards are every expert's checkpoint
+  projections (`...mlp.experts.7.up_proj`).
 
 `kernel_config={"linear_backend_per_quant": {scheme: backend}}` (PR #51204) picks the
 op per scheme: "cpu_kernel" (our C++ kernels) or "torch" (the plain-PyTorch reference).

@@ -90,25 +90,7 @@ class QuantizedLinearMethod(LinearMethodBase):
     def prepare_for_mapping(self, layer: nn.Module) -> None:
         """Give an unloaded layer the processed tensors' names, shapes and dtypes (left
         uninitialised) so the weight cache (`load_format="ipc_cache"`) can map its own there."""
-        n, k = layer.output_size, layer.input_size
-        groups = k // self.spec.group_size
-        shapes = {
-            "int8_w8a16": {"weight": ((n, k), torch.int8), "scale": ((n,), torch.float32)},
-            "int8_w8a8": {
-                "weight": ((n, k), torch.int8),
-                "scale": ((n,), torch.float32),
-                "wsum": ((n,), torch.int32),
-            },
-            "fp8_w8a16": {
-                "weight": ((n, k), torch.uint8),
-                "scale": ((n, k // self.group_size) if self.group_size else (n,), torch.float32),
-            },
-            "int4": {
-                "weight": ((n, k // 2), torch.uint8),
-                "scale": ((n, groups), torch.float32),
-                **({} if self.spec.symmetric else {"zero": ((n, groups), torch.float32)}),
-            },
-        }[self.spec.scheme if self.spec.scheme not in formats.INT4_SCHEMES else "int4"]
+        shapes = processed_shapes(self.spec, layer.output_size, layer.input_size, self.group_size)
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
             delattr(layer, name)
         for name, (shape, dtype) in shapes.items():
@@ -250,15 +232,41 @@ class QuantizedLinearMethod(LinearMethodBase):
         return rows.view(*ids.shape, qw.in_features)
 
 
+def processed_shapes(
+    spec: SchemeSpec, n: int, k: int, fp8_group: int = 0
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The (shape, dtype) of each tensor `formats.quantize` makes for an [n, k] weight in
+    `spec` (`fp8_group`: block-scaled fp8's k per scale, 0 per channel)."""
+    groups = k // spec.group_size
+    if spec.scheme in formats.INT4_SCHEMES:
+        return {
+            "weight": ((n, k // 2), torch.uint8),
+            "scale": ((n, groups), torch.float32),
+            **({} if spec.symmetric else {"zero": ((n, groups), torch.float32)}),
+        }
+    return {
+        "int8_w8a16": {"weight": ((n, k), torch.int8), "scale": ((n,), torch.float32)},
+        "int8_w8a8": {
+            "weight": ((n, k), torch.int8),
+            "scale": ((n,), torch.float32),
+            "wsum": ((n,), torch.int32),
+        },
+        "fp8_w8a16": {
+            "weight": ((n, k), torch.uint8),
+            "scale": ((n, k // fp8_group) if fp8_group else (n,), torch.float32),
+        },
+    }[spec.scheme]
+
+
 def log_backends(modules: list[nn.Module]) -> None:
     """One log line per scheme and op: which kernel runs the quantized layers, and whether
     linear_backend_per_quant asked for it or it is this CPU's default. A default that fell
     to the plain-PyTorch reference (it dequantizes the whole weight at every call) is a
     warning that says why."""
-    counts: dict[tuple[str, str, bool], list[QuantizedLinearMethod]] = {}
+    counts: dict[tuple[str, str, bool], list] = {}  # linear and routed-experts methods
     for module in modules:
         method = getattr(module, "quant_method", None)
-        if isinstance(method, QuantizedLinearMethod) and method.quant_weights is not None:
+        if hasattr(method, "op_name") and method.quant_weights is not None:
             key = (method.spec.scheme, method.op_name, method.requested_backend is not None)
             counts.setdefault(key, []).append(method)
     for (scheme, op, asked), methods in sorted(counts.items()):

@@ -68,7 +68,12 @@ class MLAAttention(AttentionLayerBase):
         if self._absorbed is None:
             proj = self.kv_b_proj
             eye = torch.eye(self.kv_lora_rank, dtype=torch.get_default_dtype())
-            for p in proj.parameters():
+            quantized_dtype = getattr(proj.quant_method, "dtype", None)
+            if quantized_dtype is not None:
+                # a quantized layer's tensors are integers and float32 scales: the
+                # identity goes in the model's dtype, which its op takes and gives
+                eye = eye.to(quantized_dtype)
+            for p in [] if quantized_dtype is not None else proj.parameters():
                 if p.is_floating_point():
                     # bf16 weight panels in an fp32 engine (layers/panel_linear.py) take
                     # and give fp32: the identity goes in the engine's dtype there
