@@ -382,3 +382,63 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as tmp:
         _self_check(tmp)
+
+
+# ----------------------------------------------------------------- MoE routed experts
+EXPERT_TARGET = "re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$"
+
+
+@torch.no_grad()
+def compress_routed_experts(
+    src, out, scheme: str, *, group_size: int = 32, asymmetric: bool = False
+) -> dict[str, torch.Tensor]:
+    """Save the MoE checkpoint at `src` (per-expert `...mlp.experts.E.gate_proj.weight`
+    tensors, as transformers writes DeepSeek models) to `out` with its routed experts
+    compressed by the library, the rest as it was.
+
+    transformers holds a layer's experts stacked (not as nn.Linear), so the library
+    cannot target them in the model; llm-compressor unpacks them into linears for the
+    same reason. Here each expert projection becomes an nn.Linear under its checkpoint
+    name, the library quantizes those (targets: EXPERT_TARGET) and compresses them, and
+    writes its quantization_config into `out`'s config.json. Returns each expert
+    projection dequantized by `dequantize_reference`, by module name."""
+    from pathlib import Path
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src), Path(out)
+    state = load_file(src / "model.safetensors")
+    root = torch.nn.Module()
+    for name in [n for n in state if n.endswith("_proj.weight") and ".mlp.experts." in n]:
+        *parents, leaf, _ = name.split(".")
+        parent = root
+        for part in parents:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        weight = state.pop(name)
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear.weight.copy_(weight)
+        parent.add_module(leaf, linear)
+    group = _quant_scheme(scheme, group_size, asymmetric, None)
+    group.targets = [EXPERT_TARGET]
+    apply_quantization_config(
+        root, QuantizationConfig(config_groups={"group_0": group}, ignore=[]), show_progress=False
+    )
+    for module in root.modules():
+        if getattr(module, "quantization_scheme", None) is not None:
+            _calibrate_weight(module)
+    compressor = ModelCompressor.from_pretrained_model(root)
+    compressor.compress_model(root)
+    compressed = {k: v.contiguous() for k, v in root.state_dict().items()}
+    out.mkdir(parents=True)
+    save_file({**state, **compressed}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in src.iterdir():
+        if "safetensors" not in f.name:
+            shutil.copy(f, out / f.name)
+    compressor.update_config(str(out))
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    modules = {k.rsplit(".", 1)[0] for k in compressed}
+    return {m: dequantize_reference(compressed, m, qcfg).float() for m in sorted(modules)}

@@ -434,3 +434,50 @@ def test_tensor_parallel_2_splits_quantized_experts(wide_moe_dir, tmp_path, sour
     else:
         hf = _hf_holding(wide_moe_dir, weights)
     assert_logprobs_match(hf, PROMPTS, outputs, tol=QUANTIZED_FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    ("scheme", "options"),
+    [
+        ("int8_w8a16", {}),  # pack-quantized, 8 bits
+        ("int4_w4a16", {}),  # pack-quantized groups
+        ("int4_w4a16", {"asymmetric": True}),  # zero points packed down the rows
+        ("int8_w8a8", {}),  # int-quantized, dynamic int8 activations
+        ("int4_w4a8", {"asymmetric": True}),  # int-quantized int4, zero points unpacked
+        ("int4_w4a8", {}),
+        ("fp8_w8a16", {}),  # per channel
+        ("fp8_static", {}),  # per tensor, static activation scales (read, unused)
+        ("fp8_block", {}),  # block scales [48, 32]: partial row blocks
+    ],
+)
+def test_compressed_tensors_experts_load_as_stored(moe_dir, tmp_path, scheme, options) -> None:
+    """Routed experts a compressed-tensors checkpoint stores quantized (built with the
+    library itself) run as stored; the oracle is transformers holding them dequantized by
+    the library-free reader that tests/compressed_tensors_utils.py checks against the
+    library, each expert input rounded to int8 where the scheme does."""
+    from tests.compressed_tensors_utils import FP8_PRESETS, compress_routed_experts
+
+    out = tmp_path / "ct"
+    dequantized = compress_routed_experts(moe_dir, out, scheme, **options)
+    llm = LLM(str(out), **ENGINE)
+    layer = llm.llm_engine.executor.runner.model.model.layers[2].mlp.experts
+    method = layer.quant_method
+    assert type(method).__name__ == "CheckpointMoEMethod"
+    assert method.spec.scheme == FP8_PRESETS.get(scheme, scheme)
+    assert method.spec.symmetric == (not options.get("asymmetric", False))
+    dense = llm.llm_engine.executor.runner.model.model.layers[0].mlp.gate_up_proj
+    assert type(dense.quant_method).__name__ == "UnquantizedLinearMethod"  # not targeted
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    hf = _hf_holding(moe_dir, dequantized)
+    group = _activation_group(method.spec)
+    tol = QUANTIZED_FP32_TOL
+    if group is not None:
+        for name, module in hf.named_modules():
+            if name.endswith("mlp.experts"):
+                module.forward = types.MethodType(_quantized_experts_forward(group), module)
+        # an expert input a hair from an int8 rounding boundary rounds either way under
+        # the two sides' summation orders (the reference backend lands where the kernel
+        # does: 5.6e-4 off for asymmetric int4_w4a8 here); one flipped step moves a
+        # logprob by ~1e-3 at most in this model, a wrong scale or zero point by > 1e-2
+        tol = 2 * QUANTIZED_FP32_TOL
+    assert_logprobs_match(hf, PROMPTS, outputs, tol=tol)
