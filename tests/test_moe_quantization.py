@@ -183,8 +183,16 @@ def test_the_reference_backend_agrees_with_the_kernel(moe_dir) -> None:
 @pytest.mark.parametrize(
     ("config", "error"),
     [
-        # only the experts' down projections: one MoE layer holds one scheme
-        ({"targets": {"*.down_proj": "int8"}}, "shards .* are not all targeted"),
+        # every projection targeted, by two schemes: one MoE layer's experts have one
+        (
+            {
+                "targets": {
+                    "*experts.*.down_proj": "int8",
+                    "re:.*experts\\.\\d+\\.(gate|up)_proj": "fp8",
+                }
+            },
+            "map to different schemes",
+        ),
         (
             {"targets": {"*experts.*.gate_proj": "int8", "*experts.*_proj": "fp8"}},
             "more than one target",
@@ -198,6 +206,29 @@ def test_the_reference_backend_agrees_with_the_kernel(moe_dir) -> None:
 def test_expert_targets_follow_the_fused_layer_rules(moe_dir, config, error) -> None:
     with pytest.raises(ValueError, match=error):
         LLM(str(moe_dir), **ENGINE, quantization="online", quantization_config=config)
+
+
+def test_a_linear_pattern_that_catches_some_expert_projections_leaves_them_be(
+    moe_dir, caplog
+) -> None:
+    """`*.down_proj` means the MLPs' down projections; on a MoE model it also matches
+    the experts' down projections but not their gate and up ones. vLLM matches experts
+    by the MoE layer's name alone, so the experts stay unquantized, with a warning
+    that says how to target them, and the linears are quantized."""
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        llm = LLM(
+            str(moe_dir),
+            **ENGINE,
+            quantization="online",
+            quantization_config={"targets": {"*.down_proj": "int8"}},
+        )
+    methods = _methods(llm)
+    assert methods["model.layers.1.mlp.experts"] is None
+    assert isinstance(methods["model.layers.1.mlp.shared_experts.down_proj"], QuantizedLinearMethod)
+    assert isinstance(methods["model.layers.0.mlp.down_proj"], QuantizedLinearMethod)
+    assert "'*.down_proj' matches some of the routed experts' projections in 2" in caplog.text
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    assert_logprobs_match(_oracle(moe_dir, llm), PROMPTS, outputs, tol=QUANTIZED_FP32_TOL)
 
 
 def test_every_expert_shard_targeted_quantizes_the_layer_and_ignore_carves_it_out(
@@ -223,17 +254,22 @@ def test_every_expert_shard_targeted_quantizes_the_layer_and_ignore_carves_it_ou
 
 def test_groups_that_do_not_divide_the_experts_are_an_error(moe_dir) -> None:
     config = {"targets": {EXPERTS_ONLY: {"scheme": "int4", "group_size": 64}}}
-    with pytest.raises(ValueError, match="w2 has 32 input features per rank.*group_size"):
+    with pytest.raises(ValueError, match="down_proj's 32 input features on this rank.*group_size"):
         LLM(str(moe_dir), **ENGINE, quantization="online", quantization_config=config)
 
 
-def test_weight_cache_maps_quantized_experts(moe_dir, tmp_path) -> None:
-    """A daemon holding int4 experts serves a mapping engine, which runs them as a
-    disk-loading engine does."""
+@pytest.mark.parametrize("source", ["online int4", "fp8 checkpoint"])
+def test_weight_cache_maps_quantized_experts(moe_dir, tmp_path, source) -> None:
+    """A daemon holding quantized experts (online int4, or the fp8 checkpoint's as
+    stored) serves a mapping engine, which runs them as a disk-loading engine does."""
     from tests.test_weight_cache import mapping_of
     from tests.weight_cache_harness import Daemon, assert_same_outputs, short_dir
 
     quant = dict(quantization="int4", quantization_config=GROUPS)
+    args = ["--quantization", "int4", "--quantization-config", json.dumps(GROUPS)]
+    if source == "fp8 checkpoint":
+        write_deepseek_fp8(moe_dir, tmp_path / "fp8")
+        moe_dir, quant, args = tmp_path / "fp8", {}, []
     engine = dict(dtype="bfloat16", max_model_len=256, kv_cache_memory_bytes=8 << 20)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -241,15 +277,7 @@ def test_weight_cache_maps_quantized_experts(moe_dir, tmp_path) -> None:
     expected = disk.generate(prompts, greedy, use_tqdm=False)
     disk.llm_engine.shutdown()
     socket_dir = short_dir()
-    daemon = Daemon(
-        moe_dir,
-        socket_dir,
-        tmp_path / "daemon.log",
-        "--quantization",
-        "int4",
-        "--quantization-config",
-        json.dumps(GROUPS),
-    )
+    daemon = Daemon(moe_dir, socket_dir, tmp_path / "daemon.log", *args)
     try:
         daemon.wait_ready()
         extra = {"socket_dir": str(socket_dir), "fallback": False}
@@ -262,8 +290,9 @@ def test_weight_cache_maps_quantized_experts(moe_dir, tmp_path) -> None:
         )
         assert_same_outputs(llm.generate(prompts, greedy, use_tqdm=False), expected)
         layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts
-        assert layer.w13_weight.dtype == torch.uint8
+        assert layer.w13_weight.dtype == torch.uint8  # int4 nibbles, or fp8 bytes
         assert "memfd:minivllm-weights" in mapping_of(layer.w2_weight.data_ptr())[1]
+        assert layer.quant_method.source == ("fp8" if quant == {} else "online")
         llm.llm_engine.shutdown()
     finally:
         daemon.stop()
@@ -392,12 +421,15 @@ def test_missing_or_misshapen_expert_scales_are_errors(moe_dir, tmp_path) -> Non
     scale = state.pop(name)
     save_file(state, str(path), metadata={"format": "pt"})
     with pytest.raises(
-        ValueError, match=r"lacks routed-expert tensors: experts\.5\.up_proj\.scale"
+        ValueError,
+        match=r"lacks routed-expert tensors: model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight_scale_inv$",
     ):
         LLM(str(out), **ENGINE)
     state[name] = scale[:, :1].contiguous()
     save_file(state, str(path), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"up_proj\.weight_scale_inv: block scales .* \[1, 2\]"):
+    with pytest.raises(
+        ValueError, match=r"experts\.5\.up_proj\.weight_scale_inv: block scales .* \[1, 2\]"
+    ):
         LLM(str(out), **ENGINE)
 
 
@@ -409,7 +441,7 @@ def wide_moe_dir(tmp_path_factory, tokenizer_dir) -> Path:
     return build_dsa_checkpoint(out, tokenizer_dir, moe_intermediate_size=64, intermediate_size=128)
 
 
-@pytest.mark.parametrize("source", ["online int4", "fp8 checkpoint"])
+@pytest.mark.parametrize("source", ["online int4", "fp8 checkpoint", "ct int4 asymmetric"])
 def test_tensor_parallel_2_splits_quantized_experts(wide_moe_dir, tmp_path, source) -> None:
     """Each rank holds its slice of every expert's intermediate dimension: gate and up
     rows, down's k columns with their scale groups. Groups and blocks fall within a
@@ -418,6 +450,12 @@ def test_tensor_parallel_2_splits_quantized_experts(wide_moe_dir, tmp_path, sour
     if source == "fp8 checkpoint":
         model_dir = tmp_path / "fp8"
         weights = write_deepseek_fp8(wide_moe_dir, model_dir)
+        quant = {}
+    elif source == "ct int4 asymmetric":  # zero points packed down the rows, cut per rank
+        from tests.compressed_tensors_utils import compress_routed_experts
+
+        model_dir = tmp_path / "ct"
+        weights = compress_routed_experts(wide_moe_dir, model_dir, "int4_w4a16", asymmetric=True)
         quant = {}
     else:
         model_dir, weights = wide_moe_dir, None

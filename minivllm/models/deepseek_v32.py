@@ -305,7 +305,9 @@ class DeepseekV32ForCausalLM(nn.Module):
                 if module.quant_method is not None and hasattr(
                     module.quant_method, "load_expert_tensor"
                 ):  # the checkpoint stores them quantized (quantization/moe_method.py)
-                    module.quant_method.load_expert_tensor(module, expert, proj, suffix, tensor)
+                    module.quant_method.load_expert_tensor(
+                        module, name, expert, proj, suffix, tensor
+                    )
                     loaded.add((owner, expert, proj))
                     continue
                 if suffix != "weight":

@@ -61,12 +61,13 @@ def assign_quant_methods(
     modules = quantizable_modules(model)
     backends = config.backends if config else {}
     chosen: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    partial_experts: dict[str, list[str]] = defaultdict(list)
     for name, module in modules:
         shards = shard_names(model, name)
         stored = checkpoint.spec_for(name, shards) if checkpoint is not None else None
         if stored is not None and isinstance(module, FusedMoE):
             method = CheckpointMoEMethod(stored, backends.get(stored.spec.scheme))
-            method.create_weights(module)
+            method.create_weights(module, name)
             module.quant_method = method
             chosen[(str(stored), f"the checkpoint, {stored.format}")][_kind(name)] += 1
             continue
@@ -75,20 +76,37 @@ def assign_quant_methods(
             _swap(model, name, module, method, recreate=True)
             chosen[(str(stored), f"the checkpoint, {stored.format}")][_kind(name)] += 1
             continue
-        hit = config.spec_for(name, shards) if config is not None and config.targets else None
+        if config is None or not config.targets:
+            continue
+        if isinstance(module, FusedMoE):
+            hit, partial = config.spec_for_experts(name, shards)
+            for pattern in partial:
+                partial_experts[pattern].append(name)
+            if hit is not None:
+                spec, pattern = hit
+                module.quant_method = QuantizedMoEMethod(spec, backends.get(spec.scheme))
+                module.quant_method.check_shape(module, name)
+                chosen[(str(spec), f"target {pattern!r}")][_kind(name)] += 1
+            continue
+        hit = config.spec_for(name, shards)
         if hit is None:
             continue
         spec, pattern = hit
-        if isinstance(module, FusedMoE):
-            module.quant_method = QuantizedMoEMethod(spec, backends.get(spec.scheme))
-            chosen[(str(spec), f"target {pattern!r}")][_kind(name)] += 1
-            continue
         _swap(model, name, module, QuantizedLinearMethod(spec, backends.get(spec.scheme)), False)
         chosen[(str(spec), f"target {pattern!r}")][_kind(name)] += 1
     if config is not None:
         names = [n for name, _ in modules for n in (name, *shard_names(model, name))]
         for pattern in config.unused_targets(names):
             logger.warning("quantization target %r matched no layer of the model", pattern)
+    for pattern, layers in partial_experts.items():
+        logger.warning(
+            "quantization target %r matches some of the routed experts' projections in %d "
+            "MoE layers (%s, ...), not all: those experts stay unquantized. To quantize "
+            "them, target the layer ('*mlp.experts') or every projection",
+            pattern,
+            len(layers),
+            layers[0],
+        )
     for (scheme, origin), kinds in chosen.items():
         listing = ", ".join(f"{kind}: {count}" for kind, count in sorted(kinds.items()))
         logger.info(

@@ -28,7 +28,9 @@ builds such checkpoints with the compressed-tensors library itself.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,8 +90,14 @@ class CheckpointQuantization:
             return self._stored(name)
         stored = [self._stored(s) for s in shards]
         if len(set(stored)) > 1:
+            # one example shard per way of storing (a MoE layer has 3 per expert)
+            kinds: dict[StoredScheme | None, list[str]] = {}
+            for shard, how in zip(shards, stored, strict=True):
+                kinds.setdefault(how, []).append(shard)
             listing = ", ".join(
-                f"{s}: {x or 'unquantized'}" for s, x in zip(shards, stored, strict=True)
+                f"{same[0]}{f' and {len(same) - 1} more' if len(same) > 1 else ''}: "
+                f"{how or 'unquantized'}"
+                for how, same in kinds.items()
             )
             raise ValueError(
                 f"{name}: the checkpoint stores the shards of this fused layer differently "
@@ -98,10 +106,10 @@ class CheckpointQuantization:
         return stored[0]
 
     def _stored(self, name: str) -> StoredScheme | None:
-        if any(_ct_match(p, name) for p in self.ignore):
+        if _matches_any(self.ignore, name):
             return None
         for group in self.groups:
-            if any(_ct_match(t, name) for t in group.targets):
+            if _matches_any(group.targets, name):
                 return group.stored
         return None
 
@@ -118,14 +126,28 @@ class CheckpointQuantization:
         )
 
 
-def _ct_match(target: str, name: str) -> bool:
-    """compressed-tensors' matching: `re:` regex (re.match) or an exact module name; the
-    class name "Linear" covers every linear layer and the LM head (HF's are nn.Linear)."""
-    if target.startswith("re:"):
-        return re.match(target[3:], name) is not None
-    if target == "Linear":
-        return "embed_tokens" not in name
-    return target == name
+def _matches_any(patterns: tuple[str, ...], name: str) -> bool:
+    """compressed-tensors' matching of any of `patterns`: `re:` regex (re.match) or an
+    exact module name; the class name "Linear" covers every linear layer and the LM head
+    (HF's are nn.Linear). Through one compiled regex: an fp8 checkpoint's
+    `modules_to_not_convert` can list hundreds of modules, each matched against every
+    linear and every routed expert's projection (3 per expert per layer)."""
+    if "Linear" in patterns and "embed_tokens" not in name:
+        return True
+    return _combined(tuple(p for p in patterns if p != "Linear"))(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _combined(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    parts = [p[3:] if p.startswith("re:") else re.escape(p) + r"\Z" for p in patterns]
+    if not parts:
+        return lambda name: False
+    try:
+        combined = re.compile("|".join(f"(?:{p})" for p in parts))
+    except re.error:  # a pattern that cannot share one regex (a backreference, global flags)
+        each = [re.compile(p) for p in parts]
+        return lambda name: any(r.match(name) for r in each)
+    return lambda name: combined.match(name) is not None
 
 
 def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | None:

@@ -115,6 +115,40 @@ class QuantizationConfig:
             raise ValueError(f"{name} matches both `ignore` and the target {target.pattern!r}")
         return target.spec, target.pattern
 
+    def spec_for_experts(
+        self, name: str, shards: list[str]
+    ) -> tuple[tuple[SchemeSpec, str] | None, list[str]]:
+        """The scheme of MoE layer `name`'s routed experts, and the patterns that match
+        only some of its experts' projections (`shards`), which leave it unquantized.
+
+        vLLM matches routed experts by the MoE layer's name (`...mlp.experts`); we also
+        take them when a target covers every expert projection. A pattern written for the
+        linear layers (`"*.down_proj"`) that happens to catch some of the experts'
+        projections is not an error here (it is for qkv_proj's shards): the caller
+        logs those patterns, and the experts stay as they are."""
+        target = self._match_one(name)
+        ignored = self._ignored(name) or all(self._ignored(s) for s in shards)
+        if ignored:
+            if target is not None and not self.ignore_excludes:
+                raise ValueError(f"{name} matches both `ignore` and the target {target.pattern!r}")
+            return None, []
+        if target is not None:
+            return (target.spec, target.pattern), []
+        picks = {s: self._match_one(s) for s in shards}
+        chosen = {t for t in picks.values() if t is not None}
+        if not chosen:
+            return None, []
+        if None in picks.values() or any(self._ignored(s) for s in shards):
+            return None, sorted(t.pattern for t in chosen)
+        if len({t.spec for t in chosen}) > 1:
+            listing = ", ".join(sorted(f"{t.pattern!r}: {t.spec}" for t in chosen))
+            raise ValueError(
+                f"{name}: the routed experts' projections map to different schemes "
+                f"({listing}); one MoE layer's experts have one scheme"
+            )
+        (target,) = chosen
+        return (target.spec, target.pattern), []
+
     def _shared_target(
         self, name: str, shards: list[str], fused_hit: Target | None = None
     ) -> Target | None:

@@ -265,8 +265,11 @@ def log_backends(modules: list[nn.Module]) -> None:
     warning that says why."""
     counts: dict[tuple[str, str, bool], list] = {}  # linear and routed-experts methods
     for module in modules:
+        from minivllm.quantization.moe_method import QuantizedMoEMethod
+
         method = getattr(module, "quant_method", None)
-        if hasattr(method, "op_name") and method.quant_weights is not None:
+        quantized = isinstance(method, (QuantizedLinearMethod, QuantizedMoEMethod))
+        if quantized and method.quant_weights is not None:
             key = (method.spec.scheme, method.op_name, method.requested_backend is not None)
             counts.setdefault(key, []).append(method)
     for (scheme, op, asked), methods in sorted(counts.items()):

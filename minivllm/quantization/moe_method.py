@@ -48,6 +48,7 @@ class QuantizedMoEMethod:
         self.requested_backend = backend
         self.source = source
         self.dtype = torch.get_default_dtype()  # the model's
+        self.prefix = "routed experts"  # the layer's module name, for errors (apply.py sets it)
         self.experts: dict[str, list[QuantizedLinearMethod]] = {p: [] for p in PARTS}
 
     @property
@@ -60,32 +61,49 @@ class QuantizedMoEMethod:
         e, hidden, inter = layer.num_experts, layer.hidden_size, layer.intermediate
         return {"w13": (e * 2 * inter, hidden), "w2": (e * hidden, inter)}
 
-    def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
-        shapes = self.shapes(layer)
-        for part in PARTS:
-            full = getattr(layer, part).data
-            k = shapes[part][1]
-            if self.spec.scheme in formats.INT4_SCHEMES and k % self.spec.group_size:
+    def check_shape(self, layer: nn.Module, name: str) -> None:
+        """Refuse, before anything loads, groups that do not divide the experts' inputs."""
+        self.prefix = name
+        group = self.group
+        for part, (_, k) in self.shapes(layer).items():
+            if group and k % group:
+                hint = " (a smaller tensor_parallel_size may)" if layer.tp_size > 1 else ""
+                what = "down_proj's" if part == "w2" else "gate_proj's and up_proj's"
                 raise ValueError(
-                    f"routed experts' {part} has {k} input features per rank, which int4 "
-                    f"groups of {self.spec.group_size} do not divide; pass a group_size "
-                    "that does (quantization_config={'group_size': ...})"
+                    f"{name}: groups of {group} k do not divide the routed experts' "
+                    f"{what} {k} input features on this rank{hint}; "
+                    + (
+                        "pass a group_size that does (quantization_config={'group_size': ...})"
+                        if self.source == "online"
+                        else "the checkpoint's scales cannot be split that way"
+                    )
                 )
-            qw = formats.quantize(
-                full.reshape(shapes[part]),
-                self.spec.scheme,
-                self.spec.group_size,
-                self.spec.symmetric,
-            )
+
+    def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
+        """Quantize one expert at a time into the stacks' final tensors: every scale is per
+        row, so the result is the whole stack's, without its float32 temporaries."""
+        spec = self.spec
+        for part, (n, k) in self.shapes(layer).items():
+            full = getattr(layer, part).data
+            stacks = self._empty_stacks(n, k)
+            rows = n // layer.num_experts
+            for e in range(layer.num_experts):
+                qw = formats.quantize(full[e], spec.scheme, spec.group_size, spec.symmetric)
+                for name, tensor in qw.tensors().items():
+                    stacks[name][e * rows : (e + 1) * rows].copy_(tensor)
             delattr(layer, part)
-            self._register(layer, part, qw)
+            self._register(layer, part, stacks)
         self._use(layer, kernels)
 
-    def _register(self, layer: nn.Module, part: str, qw: formats.QuantWeights) -> None:
-        """`qw`'s tensors on huge pages, as the layer's `{part}_{name}` parameters."""
+    def _empty_stacks(self, n: int, k: int) -> dict[str, torch.Tensor]:
+        """The processed tensors of an [n, k] stack, uninitialised, on huge pages."""
         arena = huge_pages.weights_arena()
-        for name, tensor in qw.tensors().items():
-            param = nn.Parameter(arena.copy(tensor), requires_grad=False)
+        shapes = processed_shapes(self.spec, n, k, self.group)
+        return {name: arena.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
+
+    def _register(self, layer: nn.Module, part: str, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            param = nn.Parameter(tensor, requires_grad=False)
             layer.register_parameter(f"{part}_{name}", param)
 
     def prepare_for_mapping(self, layer: nn.Module) -> None:
@@ -127,16 +145,16 @@ class QuantizedMoEMethod:
 
     @property
     def op_name(self) -> str:
-        return self.experts["w13"][0].op_name
+        return self.experts["w13"][0].op_name if self.experts["w13"] else "not processed"
 
     @property
     def quant_weights(self) -> formats.QuantWeights | None:
-        """Expert 0's w13 (what the backend log describes)."""
+        """Expert 0's w13 (what the backend log describes); None before processing."""
         return self.experts["w13"][0].quant_weights if self.experts["w13"] else None
 
     @property
     def kernel_op(self):
-        return self.experts["w13"][0].kernel_op
+        return self.experts["w13"][0].kernel_op if self.experts["w13"] else None
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
@@ -170,14 +188,17 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
     The model's loader hands each expert tensor to `load_expert_tensor`, which brings it
     to rows (a per-tensor or block scale repeated down the rows, packed words unpacked),
     cuts this rank's part (gate and up: rows of the intermediate dimension; down: its
-    columns, and their groups), and writes it into a stack [E, rows, k]. After loading,
-    the stacks become the scheme's tensors as `formats.from_*_values` build them for a
-    pre-quantized linear: the checkpoint's values and scales, never re-quantized."""
+    columns, and their groups), and writes it into a stack [E, rows, k] (int4 values
+    unpacked to a byte each until the end of loading). After loading, each expert becomes
+    the scheme's tensors as `formats.from_*_values` build them for a pre-quantized linear
+    (the checkpoint's values and scales, never re-quantized), written into the final
+    stacks one expert at a time."""
 
     def __init__(self, stored, backend: str | None = None) -> None:
         super().__init__(stored.spec, backend, stored.format)
         self.stored = stored
         self.block = stored.block
+        self.device = torch.device("cpu")
         self._stacks: dict[str, dict[str, torch.Tensor]] = {}
         self._seen: set[tuple[str, int, str, str]] = set()
 
@@ -186,24 +207,29 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
         """k per scale column: int4's group, block fp8's block k, else 0 (per channel)."""
         if self.block is not None:
             return self.block[1]
-        return self.spec.group_size if self.spec.scheme in formats.INT4_SCHEMES else 0
-
-    def create_weights(self, layer: nn.Module) -> None:
-        """Drop w13 and w2: the checkpoint format's stacks replace them as tensors arrive
-        (`_stack`; never allocated where the weight cache maps the processed tensors)."""
-        group = self.group
-        for part, (_, k) in self.shapes(layer).items():
-            if group and k % group:
-                hint = " (a smaller tensor_parallel_size may)" if layer.tp_size > 1 else ""
-                raise ValueError(
-                    f"the checkpoint's routed experts hold a scale per {group} k, which does "
-                    f"not divide their {part} input of {k} features on this rank{hint}"
-                )
-            delattr(layer, part)
+        return super().group
 
     @property
     def asymmetric(self) -> bool:
         return self.spec.scheme in formats.INT4_SCHEMES and not self.spec.symmetric
+
+    @property
+    def bits(self) -> int:
+        return 4 if self.spec.scheme in formats.INT4_SCHEMES else 8
+
+    def checkpoint_suffix(self, key: str) -> str:
+        """The checkpoint's name for a stack: its values, scale or zero point."""
+        if key == "values":
+            return "weight_packed" if self.stored.format == "pack-quantized" else "weight"
+        return self.stored.scale_name if key == "scale" else "weight_zero_point"
+
+    def create_weights(self, layer: nn.Module, name: str) -> None:
+        """Drop w13 and w2: the checkpoint format's stacks replace them as tensors arrive
+        (`_stack`; never allocated where the weight cache maps the processed tensors)."""
+        self.check_shape(layer, name)
+        self.device = layer.w13.device
+        for part in PARTS:
+            delattr(layer, part)
 
     def _stack(self, layer: nn.Module, part: str) -> dict[str, torch.Tensor]:
         """The part's values [E, rows, k], scales [E, rows, k / group or 1] (NaN until
@@ -213,51 +239,58 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
             e, group = layer.num_experts, self.group
             integer = self.spec.scheme != "fp8_w8a16"
             cols = k // group if group else 1
+            options = dict(device=self.device)
             self._stacks[part] = {
-                "values": torch.zeros(e, n // e, k, dtype=torch.int8 if integer else torch.uint8),
-                "scale": torch.full((e, n // e, cols), float("nan")),
-                **(
-                    {"zero": torch.zeros(e, n // e, cols, dtype=torch.int8)}
-                    if self.asymmetric
-                    else {}
+                "values": torch.zeros(
+                    e, n // e, k, dtype=torch.int8 if integer else torch.uint8, **options
                 ),
+                "scale": torch.full((e, n // e, cols), float("nan"), **options),
             }
+            if self.asymmetric:
+                self._stacks[part]["zero"] = torch.zeros(
+                    e, n // e, cols, dtype=torch.int8, **options
+                )
         return self._stacks[part]
 
     def load_expert_tensor(
-        self, layer: nn.Module, expert: int, proj: str, suffix: str, tensor: torch.Tensor
+        self, layer: nn.Module, name: str, expert: int, proj: str, suffix: str, tensor
     ) -> None:
-        """One checkpoint tensor of expert `expert`'s `proj` (gate_proj, up_proj, down_proj)."""
+        """Checkpoint tensor `name`: expert `expert`'s `proj` (gate_proj, up_proj,
+        down_proj) `suffix` (weight, weight_packed, weight_scale, ...)."""
         from minivllm.quantization.ct_method import _scale_values, unpack_int32
 
-        name = f"experts.{expert}.{proj}.{suffix}"
         part = "w2" if proj == "down_proj" else "w13"
-        stack = self._stack(layer, part)
         inter, hidden = layer.intermediate * layer.tp_size, layer.hidden_size
         full_rows, full_k = (hidden, inter) if part == "w2" else (inter, hidden)
         group = self.group
-        if suffix in ("input_scale", "activation_scale", "weight_shape"):
-            return  # static activation scales: read, not used (weight-only); shape: a record
-        if suffix in ("weight", "weight_packed"):
-            if suffix != ("weight_packed" if self.stored.format == "pack-quantized" else "weight"):
+        if suffix in ("input_scale", "activation_scale"):
+            return  # static activation scales: read, not used (weight-only)
+        if suffix == "weight_shape":
+            if tensor.tolist() != [full_rows, full_k]:
                 raise ValueError(
-                    f"{name}: the checkpoint's {self.stored.format} format has no {suffix}"
+                    f"{name} is {tensor.tolist()}; the model's expert {proj} is "
+                    f"[{full_rows}, {full_k}]"
                 )
+            return
+        if suffix == self.checkpoint_suffix("values"):
+            key = "values"
             if tensor.dtype == torch.int32:
-                tensor = unpack_int32(
-                    tensor, 4 if self.spec.scheme in formats.INT4_SCHEMES else 8, full_k
-                )
-            elif tensor.dtype == torch.float8_e4m3fn:
+                words = -(-full_k * self.bits // 32)
+                _expect_shape(name, tensor, (full_rows, words))
+                tensor = unpack_int32(tensor, self.bits, full_k)
+            elif tensor.dtype == torch.float8_e4m3fn and self.spec.scheme == "fp8_w8a16":
                 tensor = tensor.view(torch.uint8)
-            want = stack["values"].dtype
-            if tensor.dtype != want:
-                raise ValueError(f"{name} is {tensor.dtype}; the checkpoint's scheme stores {want}")
+            elif tensor.dtype != self._stack(layer, part)["values"].dtype:
+                want = "float8_e4m3fn" if self.spec.scheme == "fp8_w8a16" else "int8"
+                raise ValueError(
+                    f"{name} is {tensor.dtype}; the checkpoint's {self.stored} stores {want}"
+                )
             value = tensor
         elif suffix == self.stored.scale_name or (
-            # transformers' per-tensor fp8 names its scale either way
+            # a per-tensor fp8 scale goes by either name (vLLM's and transformers')
             self.stored.per_tensor and suffix in ("weight_scale", "weight_scale_inv")
         ):
-            value = _scale_values(tensor)
+            key, value = "scale", _scale_values(tensor)
             if self.stored.per_tensor:
                 if value.numel() != 1:
                     raise ValueError(
@@ -273,20 +306,18 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
                         f"{cols} blocks have shape {list(expected)}, got {list(value.shape)}"
                     )
                 value = value.repeat_interleave(rows, dim=0)[:full_rows]
-            suffix = "scale"
-        elif suffix == "weight_zero_point" and "zero" in stack:
+        elif suffix == "weight_zero_point" and self.asymmetric:
+            key = "zero"
             if tensor.dtype == torch.int32:  # packed down the rows
-                tensor = unpack_int32(tensor.t().contiguous(), 4, full_rows).t().contiguous()
-            value, suffix = tensor, "zero"
+                _expect_shape(name, tensor, (-(-full_rows * self.bits // 32), full_k // group))
+                tensor = unpack_int32(tensor.t().contiguous(), self.bits, full_rows)
+                tensor = tensor.t().contiguous()
+            value = tensor
         else:
             raise ValueError(f"unexpected routed-expert tensor {name} for {self.stored}")
-        key = "values" if suffix in ("weight", "weight_packed") else suffix
         columns = full_k if key == "values" else (full_k // group if group else 1)
-        if tuple(value.shape) != (full_rows, columns):
-            raise ValueError(
-                f"{name} has shape {tuple(value.shape)}; expected {[full_rows, columns]} for "
-                f"{layer.num_experts} experts of intermediate size {inter}"
-            )
+        _expect_shape(name, value, (full_rows, columns))
+        stack = self._stack(layer, part)
         size, start = layer.intermediate, layer.tp_rank * layer.intermediate
         if part == "w2":  # this rank's columns of k (and their groups; a per-row scale whole)
             if key == "values":
@@ -302,7 +333,7 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
     def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
         keys = ["values", "scale", *(["zero"] if self.asymmetric else [])]
         missing = [
-            f"experts.{e}.{proj}.{key}"
+            f"{self.prefix}.{e}.{proj}.{self.checkpoint_suffix(key)}"
             for e in range(layer.num_experts)
             for proj in ("gate_proj", "up_proj", "down_proj")
             for key in keys
@@ -312,29 +343,39 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
             raise ValueError(
                 f"the checkpoint lacks routed-expert tensors: {missing[0]}"
                 + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else "")
-                + f" (values, scale{', zero point' if len(keys) > 2 else ''} per projection)"
             )
-        for part in PARTS:
-            stack = self._stacks[part]
-            e, rows, k = stack["values"].shape
-            values = stack["values"].reshape(e * rows, k)
-            scale = stack["scale"].reshape(e * rows, -1)
-            scheme = self.spec.scheme
-            if scheme == "fp8_w8a16":
-                qw = formats.from_fp8_values(
-                    values, scale if self.group else scale[:, 0], self.group
-                )
-            elif scheme in formats.INT4_SCHEMES:  # signed [-8, 7] here, unsigned [0, 15] there
-                zero = stack.get("zero")
-                qw = formats.from_int4_values(
-                    (values.to(torch.int16) + 8).to(torch.uint8),
-                    scale,
-                    None if zero is None else zero.reshape(e * rows, -1).to(torch.float32) + 8,
-                    self.spec.group_size,
-                    scheme,
-                )
-            else:
-                qw = formats.from_int8_values(values, scale[:, 0], scheme)
-            self._register(layer, part, qw)
-        self._stacks = {}
+        for part, (n, k) in self.shapes(layer).items():
+            stack = self._stacks.pop(part)
+            stacks = self._empty_stacks(n, k)
+            rows = n // layer.num_experts
+            for e in range(layer.num_experts):
+                try:
+                    qw = self._expert(stack, e)
+                except ValueError as exc:
+                    raise ValueError(f"{self.prefix}.{e} ({part}): {exc}") from None
+                for name, tensor in qw.tensors().items():
+                    stacks[name][e * rows : (e + 1) * rows].copy_(tensor)
+            self._register(layer, part, stacks)
         self._use(layer, kernels)
+
+    def _expert(self, stack: dict[str, torch.Tensor], e: int) -> formats.QuantWeights:
+        """Expert e's stacked checkpoint values as the scheme's tensors."""
+        values, scale = stack["values"][e], stack["scale"][e]
+        scheme = self.spec.scheme
+        if scheme == "fp8_w8a16":
+            return formats.from_fp8_values(values, scale if self.group else scale[:, 0], self.group)
+        if scheme in formats.INT4_SCHEMES:  # signed [-8, 7] here, unsigned [0, 15] there
+            zero = stack.get("zero")
+            return formats.from_int4_values(
+                (values.to(torch.int16) + 8).to(torch.uint8),
+                scale,
+                None if zero is None else zero[e].to(torch.float32) + 8,
+                self.spec.group_size,
+                scheme,
+            )
+        return formats.from_int8_values(values, scale[:, 0], scheme)
+
+
+def _expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {list(tensor.shape)}; expected {list(shape)}")

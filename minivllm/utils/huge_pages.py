@@ -68,7 +68,20 @@ class HugePageArena:
         if not enabled() or tensor.device.type != "cpu" or tensor.numel() == 0:
             return tensor
         start = time.perf_counter()
-        nbytes = tensor.numel() * tensor.element_size()
+        out = self._room(tensor.shape, tensor.dtype)
+        out.copy_(tensor)
+        self.seconds += time.perf_counter() - start
+        return out
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor in the arena (`torch.empty` where huge pages are off),
+        for tensors built piece by piece (quantized MoE experts, one expert at a time)."""
+        if not enabled() or not all(shape):
+            return torch.empty(shape, dtype=dtype)
+        return self._room(shape, dtype)
+
+    def _room(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         if nbytes > self.chunk_bytes:
             room = self._map(nbytes)
         else:
@@ -77,11 +90,8 @@ class HugePageArena:
                 self._chunk, offset = self._map(self.chunk_bytes), 0
             room = self._chunk[offset:]
             self._used = offset + nbytes
-        out = room[:nbytes].view(tensor.dtype).view(tensor.shape)
-        out.copy_(tensor)
         self.bytes_placed += nbytes
-        self.seconds += time.perf_counter() - start
-        return out
+        return room[:nbytes].view(dtype).view(shape)
 
 
 _weights_arena = HugePageArena()

@@ -72,7 +72,7 @@ class MLAAttention(AttentionLayerBase):
             if quantized_dtype is not None:
                 # a quantized layer's tensors are integers and float32 scales: the
                 # identity goes in the model's dtype, which its op takes and gives
-                eye = eye.to(quantized_dtype)
+                eye = eye.to(next(proj.parameters()).device, quantized_dtype)
             for p in [] if quantized_dtype is not None else proj.parameters():
                 if p.is_floating_point():
                     # bf16 weight panels in an fp32 engine (layers/panel_linear.py) take
