@@ -25,7 +25,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.quantization import formats
 from minivllm.quantization.method import QuantizedLinearMethod
 from minivllm.quantization.moe_method import QuantizedMoEMethod
-from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match
+from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match, needs_avx2
 from tests.test_deepseek_v32 import _prompts, build_dsa_checkpoint
 from tests.test_quantization import _hf_names
 
@@ -519,3 +519,62 @@ def test_compressed_tensors_experts_load_as_stored(moe_dir, tmp_path, scheme, op
         # logprob by ~1e-3 at most in this model, a wrong scale or zero point by > 1e-2
         tol = 2 * QUANTIZED_FP32_TOL
     assert_logprobs_match(hf, PROMPTS, outputs, tol=tol)
+
+
+@needs_avx2
+@pytest.mark.parametrize(
+    ("scheme", "group", "symmetric"),
+    [
+        ("int8_w8a16", 0, True),
+        ("int4_w4a16", 32, False),
+        ("int4_w4a8", 64, True),
+        ("fp8_w8a16", 0, True),
+    ],
+)
+def test_one_call_per_layer_equals_the_routing_loop(scheme, group, symmetric) -> None:
+    """avx2_moe.cpp's moe_quantw runs what layers/moe.routed_experts does with the AVX2
+    linear_quantw per expert, on token batches that leave experts idle, give two
+    experts every token, and a single token."""
+    from minivllm.kernels import get_avx2_kernels
+    from minivllm.layers.moe import routed_experts
+
+    ops = get_avx2_kernels()
+    torch.manual_seed(0)
+    num_experts, hidden, inter, top = 6, 128, 64, 2
+    stacks = {}
+    for part, (rows, k) in {"w13": (2 * inter, hidden), "w2": (hidden, inter)}.items():
+        w = torch.randn(num_experts * rows, k) * 0.05
+        stacks[part] = formats.quantize(w, scheme, group or 128, symmetric)
+
+    def cut(qw, e, rows):
+        part = slice(e * rows, (e + 1) * rows)
+        zero = None if qw.zero is None else qw.zero[part]
+        return qw.weight[part], qw.scale[part], zero
+
+    def linear(part, rows):
+        qw = stacks[part]
+        return lambda e, x: ops.linear_quantw(
+            x, qw.kind, *cut(qw, e, rows)[:2], cut(qw, e, rows)[2], qw.group_size, None
+        )
+
+    a, b = stacks["w13"], stacks["w2"]
+    for tokens, ids in [
+        (7, torch.stack([torch.randperm(num_experts)[:top] for _ in range(7)])),
+        (3, torch.tensor([[4, 1]] * 3)),  # experts 1 and 4 take every token, the rest none
+        (1, torch.tensor([[5, 0]])),
+    ]:
+        x = torch.randn(tokens, hidden)
+        weights = torch.rand(tokens, top)
+        got = ops.moe_quantw(
+            x, weights, ids, num_experts, a.kind, a.group_size,
+            a.weight, a.scale, a.zero, b.weight, b.scale, b.zero,
+        )  # fmt: skip
+        want = routed_experts(x, weights, ids, linear("w13", 2 * inter), linear("w2", hidden))
+        # the same products and sums; only SiLU differs (the AVX2 silu_and_mul's exp
+        # against torch's), by a few ulps of each activation
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    with pytest.raises(RuntimeError, match="out of"):
+        ops.moe_quantw(
+            x, weights, torch.tensor([[0, num_experts]]), num_experts, a.kind, a.group_size,
+            a.weight, a.scale, a.zero, b.weight, b.scale, b.zero,
+        )  # fmt: skip

@@ -46,6 +46,7 @@ def get_avx2_kernels() -> ModuleType | None:
             "avx2_attention.cpp",
             "avx2_ops.cpp",
             "avx2_decode.cpp",
+            "avx2_moe.cpp",
         ),
         _AVX2_FLAGS,
     )

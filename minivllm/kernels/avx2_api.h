@@ -37,6 +37,11 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
                                  c10::optional<torch::Tensor> zero, int64_t group_size,
                                  c10::optional<torch::Tensor> bias);
 
+torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
+                              int64_t num_experts, int64_t kind, int64_t group_size, torch::Tensor w13,
+                              torch::Tensor s13, c10::optional<torch::Tensor> z13, torch::Tensor w2,
+                              torch::Tensor s2, c10::optional<torch::Tensor> z2);
+
 torch::Tensor avx2_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor avx2_fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor avx2_silu_and_mul(torch::Tensor x);

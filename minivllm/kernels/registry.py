@@ -108,6 +108,7 @@ register_family(
             for op in (
                 "linear_bf16w",
                 "linear_quantw",
+                "moe_quantw",
                 "paged_attention_decode",
                 "rms_norm",
                 "fused_add_rms_norm",

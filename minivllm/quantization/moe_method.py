@@ -50,6 +50,10 @@ class QuantizedMoEMethod:
         self.dtype = torch.get_default_dtype()  # the model's
         self.prefix = "routed experts"  # the layer's module name, for errors (apply.py sets it)
         self.experts: dict[str, list[QuantizedLinearMethod]] = {p: [] for p in PARTS}
+        # fp32 engines on the AVX2 family: the whole layer in one call (avx2_moe.cpp) on
+        # the stacks; None: the routing loop in Python, an op per expert
+        self.moe_op = None
+        self.stacked: dict[str, formats.QuantWeights] = {}
 
     @property
     def group(self) -> int:
@@ -142,6 +146,11 @@ class QuantizedMoEMethod:
                 method.dtype = self.dtype
                 method.use(view, kernels)
                 self.experts[part].append(method)
+            self.stacked[part] = stacked
+        # int8_w8a8 quantizes its activations per token in Python first (method.py's
+        # _apply_fp32): it keeps the loop
+        fp32 = self.experts["w13"][0].fp32_op is not None and self.spec.scheme != "int8_w8a8"
+        self.moe_op = kernels.op("moe_quantw") if fp32 else None
 
     @property
     def op_name(self) -> str:
@@ -159,6 +168,12 @@ class QuantizedMoEMethod:
     def apply(
         self, layer: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     ) -> torch.Tensor:
+        if self.moe_op is not None and x.dtype == torch.float32:
+            a, b = self.stacked["w13"], self.stacked["w2"]
+            return self.moe_op(
+                x, weights, ids, layer.num_experts, a.kind, a.group_size,
+                a.weight, a.scale, a.zero, b.weight, b.scale, b.zero,
+            )  # fmt: skip
         w13, w2 = self.experts["w13"], self.experts["w2"]
         return routed_experts(
             x,
