@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
+from minivllm.kernels.isa import cpu_flags
 from minivllm.quantization import formats
 from minivllm.quantization.method import QuantizedLinearMethod
 from minivllm.quantization.moe_method import QuantizedMoEMethod
@@ -137,6 +138,12 @@ def test_routed_experts_quantize_as_transformers_would(moe_dir, quantization, op
     assert len(experts) == 2 and all(isinstance(m, QuantizedMoEMethod) for m in experts.values())
     layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts
     assert not hasattr(layer, "w13") and not hasattr(layer, "w2")  # the full weights are gone
+    # fp32 engines on the AVX2 family run a layer's experts in one call (avx2_moe.cpp),
+    # but int8_w8a8, which rounds its activations in Python first
+    one_call = bool(cpu_flags() >= {"avx2", "fma", "f16c"})
+    one_call = one_call and layer.quant_method.spec.scheme != "int8_w8a8"
+    assert (layer.quant_method.moe_op is not None) == one_call
+    assert ("moe_quantw" in layer.quant_method.op_name) == one_call
     integer = layer.quant_method.spec.scheme.startswith("int8")
     assert (
         layer.w13_weight.dtype == layer.w2_weight.dtype == (torch.int8 if integer else torch.uint8)
@@ -167,8 +174,7 @@ def test_the_reference_backend_agrees_with_the_kernel(moe_dir) -> None:
         kernel = {"linear_backend_per_quant": {"int8_w8a16": backend}} if backend else None
         llm = LLM(str(moe_dir), **ENGINE, quantization="int8", kernel_config=kernel)
         layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts
-        ops = {m.op_name for part in layer.quant_method.experts.values() for m in part}
-        assert len(ops) == 1 and ops.pop().startswith("torch") == (backend == "torch")
+        assert layer.quant_method.op_name.startswith("torch") == (backend == "torch")
         runs.append(
             llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
         )
@@ -201,6 +207,11 @@ def test_the_reference_backend_agrees_with_the_kernel(moe_dir) -> None:
             {"targets": {"*": "int8"}, "ignore": ["model.layers.1.mlp.experts"]},
             "matches both `ignore` and the target",
         ),
+        # the layer's name targeted one way, some of its projections another
+        (
+            {"targets": {"re:.*mlp\\.experts$": "int8", "re:.*experts\\.\\d+\\.down": "fp8"}},
+            "give some of their projections another scheme",
+        ),
     ],
 )
 def test_expert_targets_follow_the_fused_layer_rules(moe_dir, config, error) -> None:
@@ -229,6 +240,25 @@ def test_a_linear_pattern_that_catches_some_expert_projections_leaves_them_be(
     assert "'*.down_proj' matches some of the routed experts' projections in 2" in caplog.text
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     assert_logprobs_match(_oracle(moe_dir, llm), PROMPTS, outputs, tol=QUANTIZED_FP32_TOL)
+
+
+def test_an_ignore_that_catches_some_expert_projections_keeps_the_experts(moe_dir, caplog) -> None:
+    """`ignore: ["*.down_proj"]` with a shorthand keeps the MLPs' down projections and,
+    since it catches the experts' down projections too, the whole experts layer (one
+    precision per MoE layer), with a warning naming the pattern."""
+    with caplog.at_level(logging.WARNING, logger="minivllm"):
+        llm = LLM(
+            str(moe_dir),
+            **ENGINE,
+            quantization="int8",
+            quantization_config={"ignore": ["*.down_proj"]},
+        )
+    methods = _methods(llm)
+    assert methods["model.layers.2.mlp.experts"] is None
+    assert methods["model.layers.0.mlp.down_proj"].__class__.__name__ == "UnquantizedLinearMethod"
+    assert isinstance(methods["model.layers.0.mlp.gate_up_proj"], QuantizedLinearMethod)
+    assert "`ignore` pattern '*.down_proj' matches some of the routed experts'" in caplog.text
+    llm.llm_engine.shutdown()
 
 
 def test_every_expert_shard_targeted_quantizes_the_layer_and_ignore_carves_it_out(
@@ -529,6 +559,7 @@ def test_compressed_tensors_experts_load_as_stored(moe_dir, tmp_path, scheme, op
         ("int4_w4a16", 32, False),
         ("int4_w4a8", 64, True),
         ("fp8_w8a16", 0, True),
+        ("fp8_w8a16", 32, True),  # block-scaled (DeepSeek's fp8): a scale per row and 32 k
     ],
 )
 def test_one_call_per_layer_equals_the_routing_loop(scheme, group, symmetric) -> None:
@@ -544,7 +575,12 @@ def test_one_call_per_layer_equals_the_routing_loop(scheme, group, symmetric) ->
     stacks = {}
     for part, (rows, k) in {"w13": (2 * inter, hidden), "w2": (hidden, inter)}.items():
         w = torch.randn(num_experts * rows, k) * 0.05
-        stacks[part] = formats.quantize(w, scheme, group or 128, symmetric)
+        if scheme == "fp8_w8a16" and group:  # scales per row and group of k, as loaded
+            g = w.unflatten(-1, (-1, group)).abs().amax(-1) / formats.FP8_MAX
+            q = (w / g.repeat_interleave(group, -1)).to(torch.float8_e4m3fn)
+            stacks[part] = formats.from_fp8_values(q, g, group)
+        else:
+            stacks[part] = formats.quantize(w, scheme, group or 128, symmetric)
 
     def cut(qw, e, rows):
         part = slice(e * rows, (e + 1) * rows)
@@ -573,8 +609,55 @@ def test_one_call_per_layer_equals_the_routing_loop(scheme, group, symmetric) ->
         # the same products and sums; only SiLU differs (the AVX2 silu_and_mul's exp
         # against torch's), by a few ulps of each activation
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    empty = ops.moe_quantw(
+        x[:0], weights[:0], ids[:0], num_experts, a.kind, a.group_size,
+        a.weight, a.scale, a.zero, b.weight, b.scale, b.zero,
+    )  # fmt: skip
+    assert empty.shape == (0, hidden)
+    with pytest.raises(RuntimeError, match="picks expert 3 twice"):
+        ops.moe_quantw(
+            x, weights, torch.tensor([[3, 3]]), num_experts, a.kind, a.group_size,
+            a.weight, a.scale, a.zero, b.weight, b.scale, b.zero,
+        )  # fmt: skip
     with pytest.raises(RuntimeError, match="out of"):
         ops.moe_quantw(
             x, weights, torch.tensor([[0, num_experts]]), num_experts, a.kind, a.group_size,
             a.weight, a.scale, a.zero, b.weight, b.scale, b.zero,
         )  # fmt: skip
+
+
+def test_checkpoint_patterns_match_as_each_would_alone() -> None:
+    """compressed-tensors / fp8 ignore lists go through one compiled matcher
+    (compressed_tensors._matcher); every name matches as the patterns' own re.match or
+    exact comparison says, backreferences and inline flags included."""
+    import re
+
+    from minivllm.quantization.compressed_tensors import _matches_any
+
+    patterns = (
+        "re:model\\.layers\\.(1)\\.mlp\\.experts\\.\\1\\.",  # a backreference
+        "re:(?i)MODEL\\.norm",  # an inline flag, which must not spread
+        "re:.*self_attn\\.o_proj$",
+        "model.layers.0.mlp.experts.3.up_proj",
+    )
+
+    def alone(name: str) -> bool:
+        return any(
+            re.match(p[3:], name) is not None if p.startswith("re:") else p == name
+            for p in patterns
+        )
+
+    names = [
+        "model.layers.1.mlp.experts.1.down_proj",
+        "model.layers.1.mlp.experts.2.down_proj",
+        "model.norm",
+        "MODEL.LAYERS.0.MLP.EXPERTS.3.UP_PROJ",  # (?i) stays with its own pattern
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.0.self_attn.o_proj.x",
+        "model.layers.0.mlp.experts.3.up_proj",
+        "model.layers.0.mlp.experts.3.up_proj2",
+    ]
+    got = [_matches_any(patterns, n) for n in names]
+    assert got == [alone(n) for n in names] == [True, False, True, False, True, False, True, False]
+    with pytest.raises(ValueError, match="not a valid regex"):
+        _matches_any(("re:a)|(?:b",), "b")

@@ -26,7 +26,10 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
                               torch::Tensor s13, c10::optional<torch::Tensor> z13, torch::Tensor w2,
                               torch::Tensor s2, c10::optional<torch::Tensor> z2) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: float32 [T, H]");
+  TORCH_CHECK(x.is_cpu() && topk_ids.is_cpu() && topk_weights.is_cpu(), "CPU tensors only");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0), "topk_ids: [T, k]");
+  TORCH_CHECK(!at::isFloatingType(topk_ids.scalar_type()) && topk_ids.scalar_type() != at::kBool,
+              "topk_ids: integers");
   TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights: [T, k] like topk_ids");
   const int64_t E = num_experts, T = x.size(0), H = x.size(1), top = topk_ids.size(1);
   TORCH_CHECK(E > 0 && w13.size(0) % E == 0 && w2.size(0) == E * H, "w13: [E * 2I, ...], w2: [E * H, ...]");
@@ -39,6 +42,9 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
   std::vector<std::vector<int64_t>> tokens(E), picks(E);  // per expert: rows of x, and of ids
   for (int64_t i = 0; i < T * top; ++i) {
     TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "expert id ", ip[i], " out of [0, ", E, ")");
+    // a router picks an expert at most once per token (the n == T shortcut below needs it)
+    TORCH_CHECK(tokens[ip[i]].empty() || tokens[ip[i]].back() != i / top, "token ", i / top,
+                " picks expert ", ip[i], " twice");
     tokens[ip[i]].push_back(i / top);
     picks[ip[i]].push_back(i);
   }

@@ -61,7 +61,7 @@ def assign_quant_methods(
     modules = quantizable_modules(model)
     backends = config.backends if config else {}
     chosen: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
-    partial_experts: dict[str, list[str]] = defaultdict(list)
+    partial_experts: dict[tuple[str, str], list[str]] = defaultdict(list)
     for name, module in modules:
         shards = shard_names(model, name)
         stored = checkpoint.spec_for(name, shards) if checkpoint is not None else None
@@ -79,9 +79,11 @@ def assign_quant_methods(
         if config is None or not config.targets:
             continue
         if isinstance(module, FusedMoE):
-            hit, partial = config.spec_for_experts(name, shards)
+            hit, partial, ignored = config.spec_for_experts(name, shards)
             for pattern in partial:
-                partial_experts[pattern].append(name)
+                partial_experts[("quantization target", pattern)].append(name)
+            for pattern in ignored:
+                partial_experts[("`ignore` pattern", pattern)].append(name)
             if hit is not None:
                 spec, pattern = hit
                 module.quant_method = QuantizedMoEMethod(spec, backends.get(spec.scheme))
@@ -98,11 +100,13 @@ def assign_quant_methods(
         names = [n for name, _ in modules for n in (name, *shard_names(model, name))]
         for pattern in config.unused_targets(names):
             logger.warning("quantization target %r matched no layer of the model", pattern)
-    for pattern, layers in partial_experts.items():
+    for (what, pattern), layers in partial_experts.items():
         logger.warning(
-            "quantization target %r matches some of the routed experts' projections in %d "
-            "MoE layers (%s, ...), not all: those experts stay unquantized. To quantize "
-            "them, target the layer ('*mlp.experts') or every projection",
+            "%s %r matches some of the routed experts' projections in %d MoE layers (%s, "
+            "...), not all: those experts stay unquantized (one MoE layer's experts have one "
+            "precision). To quantize them, target the layer ('*mlp.experts') or every "
+            "projection, and keep `ignore` off them",
+            what,
             pattern,
             len(layers),
             layers[0],

@@ -129,25 +129,43 @@ class CheckpointQuantization:
 def _matches_any(patterns: tuple[str, ...], name: str) -> bool:
     """compressed-tensors' matching of any of `patterns`: `re:` regex (re.match) or an
     exact module name; the class name "Linear" covers every linear layer and the LM head
-    (HF's are nn.Linear). Through one compiled regex: an fp8 checkpoint's
-    `modules_to_not_convert` can list hundreds of modules, each matched against every
-    linear and every routed expert's projection (3 per expert per layer)."""
-    if "Linear" in patterns and "embed_tokens" not in name:
-        return True
-    return _combined(tuple(p for p in patterns if p != "Linear"))(name)
+    (HF's are nn.Linear). An fp8 checkpoint's `modules_to_not_convert` can list hundreds
+    of modules, each matched against every linear and every routed expert's projection
+    (3 per expert per layer): `_matcher` compiles them once."""
+    return _matcher(patterns)(name)
 
 
 @functools.lru_cache(maxsize=64)
-def _combined(patterns: tuple[str, ...]) -> Callable[[str], bool]:
-    parts = [p[3:] if p.startswith("re:") else re.escape(p) + r"\Z" for p in patterns]
-    if not parts:
-        return lambda name: False
-    try:
-        combined = re.compile("|".join(f"(?:{p})" for p in parts))
-    except re.error:  # a pattern that cannot share one regex (a backreference, global flags)
-        each = [re.compile(p) for p in parts]
-        return lambda name: any(r.match(name) for r in each)
-    return lambda name: combined.match(name) is not None
+def _matcher(patterns: tuple[str, ...]) -> Callable[[str], bool]:
+    """One regex for the patterns that can share it (no groups, so no backreferences to
+    renumber, and no inline flags, which would spread to the others); the rest each on
+    its own. A pattern that does not compile is an error naming it."""
+    linear = "Linear" in patterns
+    plain = re.compile("").flags
+    shared, alone = [], []
+    for p in patterns:
+        if p == "Linear":
+            continue
+        text = p[3:] if p.startswith("re:") else re.escape(p) + r"\Z"
+        try:
+            compiled = re.compile(text)
+        except re.error as exc:
+            raise ValueError(
+                f"the checkpoint's module pattern {p!r} is not a valid regex: {exc}"
+            ) from None
+        if compiled.groups == 0 and compiled.flags == plain:
+            shared.append(text)
+        else:
+            alone.append(compiled)
+    if shared:
+        alone.append(re.compile("|".join(f"(?:{t})" for t in shared)))
+
+    def match(name: str) -> bool:
+        if linear and "embed_tokens" not in name:
+            return True
+        return any(r.match(name) for r in alone)
+
+    return match
 
 
 def read_checkpoint_quantization(hf_config: Any) -> CheckpointQuantization | None:

@@ -117,37 +117,50 @@ class QuantizationConfig:
 
     def spec_for_experts(
         self, name: str, shards: list[str]
-    ) -> tuple[tuple[SchemeSpec, str] | None, list[str]]:
-        """The scheme of MoE layer `name`'s routed experts, and the patterns that match
-        only some of its experts' projections (`shards`), which leave it unquantized.
+    ) -> tuple[tuple[SchemeSpec, str] | None, list[str], list[str]]:
+        """The scheme of MoE layer `name`'s routed experts, the target patterns that match
+        only some of its experts' projections (`shards`), and the ignore patterns that do.
 
         vLLM matches routed experts by the MoE layer's name (`...mlp.experts`); we also
-        take them when a target covers every expert projection. A pattern written for the
-        linear layers (`"*.down_proj"`) that happens to catch some of the experts'
-        projections is not an error here (it is for qkv_proj's shards): the caller
-        logs those patterns, and the experts stay as they are."""
+        take them when one target covers every expert projection. A pattern written for
+        the linear layers (`"*.down_proj"`, as a target or in `ignore`) that happens to
+        catch some of the experts' projections is not an error here (it is for
+        qkv_proj's shards): the experts stay unquantized and the caller logs the
+        patterns. A target on the layer's name is refused if projections are targeted
+        with another scheme, and with `ignore` on the layer as for any layer."""
         target = self._match_one(name)
-        ignored = self._ignored(name) or all(self._ignored(s) for s in shards)
+        picks = [self._match_one(s) for s in shards]
+        hits = {t for t in picks if t is not None}
+        if target is not None:
+            clash = sorted(t.pattern for t in hits if t.spec != target.spec)
+            if clash:
+                raise ValueError(
+                    f"{name}: the target {target.pattern!r} gives the routed experts "
+                    f"{target.spec}, and {clash} give some of their projections another "
+                    "scheme; one MoE layer's experts have one scheme"
+                )
+        elif hits and None not in picks:
+            if len({t.spec for t in hits}) > 1:
+                listing = ", ".join(sorted(f"{t.pattern!r}: {t.spec}" for t in hits))
+                raise ValueError(
+                    f"{name}: the routed experts' projections map to different schemes "
+                    f"({listing}); one MoE layer's experts have one scheme"
+                )
+            (target,) = hits
+        ignored_shards = [self._ignored(s) for s in shards]
+        ignored = self._ignored(name) or (bool(shards) and all(ignored_shards))
         if ignored:
             if target is not None and not self.ignore_excludes:
                 raise ValueError(f"{name} matches both `ignore` and the target {target.pattern!r}")
-            return None, []
+            return None, [], []
+        if any(ignored_shards):  # some projections ignored: the layer keeps full precision
+            if target is None and not hits:
+                return None, [], []
+            caught = [p for p in self.ignore if any(matches(p, s) for s in shards)]
+            return None, [], caught
         if target is not None:
-            return (target.spec, target.pattern), []
-        picks = {s: self._match_one(s) for s in shards}
-        chosen = {t for t in picks.values() if t is not None}
-        if not chosen:
-            return None, []
-        if None in picks.values() or any(self._ignored(s) for s in shards):
-            return None, sorted(t.pattern for t in chosen)
-        if len({t.spec for t in chosen}) > 1:
-            listing = ", ".join(sorted(f"{t.pattern!r}: {t.spec}" for t in chosen))
-            raise ValueError(
-                f"{name}: the routed experts' projections map to different schemes "
-                f"({listing}); one MoE layer's experts have one scheme"
-            )
-        (target,) = chosen
-        return (target.spec, target.pattern), []
+            return (target.spec, target.pattern), [], []
+        return None, sorted(t.pattern for t in hits), []
 
     def _shared_target(
         self, name: str, shards: list[str], fused_hit: Target | None = None

@@ -89,7 +89,7 @@ class QuantizedMoEMethod:
         spec = self.spec
         for part, (n, k) in self.shapes(layer).items():
             full = getattr(layer, part).data
-            stacks = self._empty_stacks(n, k)
+            stacks = self._empty_stacks(n, k, full.device)
             rows = n // layer.num_experts
             for e in range(layer.num_experts):
                 qw = formats.quantize(full[e], spec.scheme, spec.group_size, spec.symmetric)
@@ -99,11 +99,11 @@ class QuantizedMoEMethod:
             self._register(layer, part, stacks)
         self._use(layer, kernels)
 
-    def _empty_stacks(self, n: int, k: int) -> dict[str, torch.Tensor]:
-        """The processed tensors of an [n, k] stack, uninitialised, on huge pages."""
+    def _empty_stacks(self, n: int, k: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """The processed tensors of an [n, k] stack, uninitialised (on huge pages on CPU)."""
         arena = huge_pages.weights_arena()
         shapes = processed_shapes(self.spec, n, k, self.group)
-        return {name: arena.empty(shape, dtype) for name, (shape, dtype) in shapes.items()}
+        return {name: arena.empty(shape, dtype, device) for name, (shape, dtype) in shapes.items()}
 
     def _register(self, layer: nn.Module, part: str, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -154,6 +154,8 @@ class QuantizedMoEMethod:
 
     @property
     def op_name(self) -> str:
+        if self.moe_op is not None:
+            return "cpu_kernel (the AVX2 family's moe_quantw, float32 activations)"
         return self.experts["w13"][0].op_name if self.experts["w13"] else "not processed"
 
     @property
@@ -289,7 +291,7 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
             return
         if suffix == self.checkpoint_suffix("values"):
             key = "values"
-            if tensor.dtype == torch.int32:
+            if tensor.dtype == torch.int32 and self.stored.format == "pack-quantized":
                 words = -(-full_k * self.bits // 32)
                 _expect_shape(name, tensor, (full_rows, words))
                 tensor = unpack_int32(tensor, self.bits, full_k)
@@ -323,6 +325,8 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
                 value = value.repeat_interleave(rows, dim=0)[:full_rows]
         elif suffix == "weight_zero_point" and self.asymmetric:
             key = "zero"
+            if tensor.dtype not in (torch.int8, torch.int32):
+                raise ValueError(f"{name} is {tensor.dtype}; zero points are int8 or packed int32")
             if tensor.dtype == torch.int32:  # packed down the rows
                 _expect_shape(name, tensor, (-(-full_rows * self.bits // 32), full_k // group))
                 tensor = unpack_int32(tensor.t().contiguous(), self.bits, full_rows)
@@ -361,7 +365,7 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
             )
         for part, (n, k) in self.shapes(layer).items():
             stack = self._stacks.pop(part)
-            stacks = self._empty_stacks(n, k)
+            stacks = self._empty_stacks(n, k, self.device)
             rows = n // layer.num_experts
             for e in range(layer.num_experts):
                 try:

@@ -73,15 +73,18 @@ class HugePageArena:
         self.seconds += time.perf_counter() - start
         return out
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised tensor in the arena (`torch.empty` where huge pages are off),
-        for tensors built piece by piece (quantized MoE experts, one expert at a time)."""
-        if not enabled() or not all(shape):
-            return torch.empty(shape, dtype=dtype)
+    def empty(
+        self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """An uninitialised tensor in the arena (`torch.empty` where huge pages are off or
+        `device` is not the CPU), for tensors built piece by piece (quantized MoE experts,
+        one expert at a time)."""
+        if not enabled() or torch.device(device).type != "cpu" or not all(shape):
+            return torch.empty(shape, dtype=dtype, device=device)
         return self._room(shape, dtype)
 
     def _room(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         if nbytes > self.chunk_bytes:
             room = self._map(nbytes)
         else:
