@@ -185,16 +185,6 @@ class QuantizedMoEMethod:
             lambda e, h: w2[e].apply(layer, h, None),
         )
 
-    def dequantized(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) as the model-dtype stacks the reference would hold: for tests and
-        for callers that want the experts' effective weights."""
-        out = []
-        for part in PARTS:
-            rows = torch.cat([formats.dequantize(m.quant_weights) for m in self.experts[part]])
-            n, k = self.shapes(layer)[part]
-            out.append(rows.view(layer.num_experts, n // layer.num_experts, k))
-        return out[0], out[1]
-
 
 class CheckpointMoEMethod(QuantizedMoEMethod):
     """Routed experts the checkpoint stores quantized, one tensor per expert and projection
