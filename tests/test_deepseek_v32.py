@@ -20,7 +20,7 @@ from minivllm.layers.attention.dsa import (
     mla_prefill,
     selection_mask,
 )
-from minivllm.layers.moe import grouped_topk, moe_reference
+from minivllm.layers.moe import GroupedTopKRouter, grouped_topk, moe_reference
 from tests.conftest import assert_logprobs_match, hf_greedy
 
 DSA = dict(
@@ -157,9 +157,17 @@ def test_logprobs_and_greedy_match_transformers(dsa_checkpoint, name, overrides)
     prompts shorter and far longer than index_topk (prefill sparse, decode sparse)."""
     path = dsa_checkpoint(name, **overrides)
     prompts = _prompts([5, 40, 90])
-    outputs = LLM(str(path), **ENGINE).generate(
-        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False
-    )
+    llm = LLM(str(path), **ENGINE)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    if llm.llm_engine.executor.runner.kernels.module is not None:
+        # the compiled routing (moe_routing.cpp) is what ran
+        routers = [
+            m
+            for m in llm.llm_engine.executor.runner.model.modules()
+            if isinstance(m, GroupedTopKRouter)
+        ]
+        assert bool(routers) == ("moe" in name)
+        assert all(r.topk_op is not None for r in routers)
     hf = _hf(path)
     assert_logprobs_match(hf, prompts, outputs)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 12)
@@ -283,7 +291,18 @@ def test_indexer_topk_against_transformers_indexer() -> None:
         assert [t for t in got[s].tolist() if t >= 0] == expected
 
 
-def test_grouped_routing_and_experts_against_transformers() -> None:
+def _compiled_grouped_topk():
+    """The CPU kernels' routing op (AVX2 family, which every CPU with AVX-512 has too)."""
+    from minivllm.kernels.registry import select_kernels
+
+    op = select_kernels("cpu", torch.float32).op("moe_grouped_topk")
+    if op is None:
+        pytest.skip("no compiled CPU kernels here (needs AVX2 + FMA and a compiler)")
+    return op
+
+
+@pytest.mark.parametrize("route", ["torch", "compiled"])
+def test_grouped_routing_and_experts_against_transformers(route) -> None:
     from transformers import DeepseekV32Config
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32MoE
 
@@ -296,7 +315,8 @@ def test_grouped_routing_and_experts_against_transformers() -> None:
     x = torch.randn(30, DSA["hidden_size"])
     with torch.no_grad():
         _, want_w, want_ids = moe.gate(x)
-        weights, ids = grouped_topk(
+        topk = grouped_topk if route == "torch" else _compiled_grouped_topk()
+        weights, ids = topk(
             torch.nn.functional.linear(x, moe.gate.weight),
             moe.gate.e_score_correction_bias,
             2,
@@ -313,6 +333,51 @@ def test_grouped_routing_and_experts_against_transformers() -> None:
         routed = moe_reference(x, moe.experts.gate_up_proj, moe.experts.down_proj, weights, ids)
         want = moe.experts(x, want_ids, want_w)
     torch.testing.assert_close(routed, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "experts, groups, topk_group, top_k, bias, renormalize, tokens",
+    [
+        (16, 4, 2, 3, True, True, 7),
+        (32, 8, 3, 8, True, True, 300),  # tokens split across threads
+        (64, 1, 1, 6, False, False, 5),  # no groups (Qwen-style softmax-free sigmoid)
+        (8, 2, 1, 4, True, False, 1),  # top_k fills the one group allowed
+        (32, 8, 8, 4, True, True, 9),  # every group allowed
+    ],
+)
+def test_compiled_routing_equals_the_reference(
+    experts, groups, topk_group, top_k, bias, renormalize, tokens
+) -> None:
+    """moe_routing.cpp against grouped_topk: the same experts chosen and the same weights
+    (ids compared as sets per token: both leave the order within a token open)."""
+    op = _compiled_grouped_topk()
+    gen = torch.Generator().manual_seed(experts + tokens)
+    logits = torch.randn(tokens, experts, generator=gen) * 2
+    correction = torch.randn(experts, generator=gen) * 0.3 if bias else None
+    args = (top_k, groups, topk_group, renormalize, 2.5)
+    want_w, want_ids = grouped_topk(logits, correction, *args)
+    got_w, got_ids = op(logits, correction, *args)
+    assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+    order_w, order_got = want_ids.sort(dim=1), got_ids.sort(dim=1)
+    assert torch.equal(order_w.values, order_got.values)
+    torch.testing.assert_close(
+        got_w.gather(1, order_got.indices), want_w.gather(1, order_w.indices), rtol=1e-6, atol=0
+    )
+
+
+def test_compiled_routing_refuses_bad_shapes() -> None:
+    op = _compiled_grouped_topk()
+    logits = torch.randn(3, 16)
+    with pytest.raises(RuntimeError, match="must divide"):
+        op(logits, None, 2, 5, 1, True, 1.0)
+    with pytest.raises(RuntimeError, match="top_k=9"):
+        op(logits, None, 9, 4, 2, True, 1.0)
+    with pytest.raises(RuntimeError, match="correction_bias"):
+        op(logits, torch.zeros(15), 2, 4, 2, True, 1.0)
+    with pytest.raises(RuntimeError, match="float32"):
+        op(logits.double(), None, 2, 4, 2, True, 1.0)
+    with pytest.raises(ValueError, match="topk_group"):
+        GroupedTopKRouter(8, 16, top_k=9, num_groups=4, topk_group=2)
 
 
 @pytest.mark.parametrize("name", ["moe", "glm-moe-dsa"])

@@ -47,6 +47,7 @@ def get_avx2_kernels() -> ModuleType | None:
             "avx2_ops.cpp",
             "avx2_decode.cpp",
             "avx2_moe.cpp",
+            "moe_routing.cpp",
         ),
         _AVX2_FLAGS,
     )
@@ -72,6 +73,7 @@ def get_cpu_kernels() -> ModuleType | None:
             "amx_w8a8.cpp",
             "dsa.cpp",
             "moe.cpp",
+            "moe_routing.cpp",
         ),
         _AVX512_BF16_FLAGS,
     )

@@ -27,6 +27,7 @@
 
 #include "avx2_api.h"
 #include "avx2_math.h"
+#include "moe_routing.h"
 #include "paged_decode.h"
 
 namespace {
@@ -217,6 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp32 x @ dequantized(int8 | int4 | fp8 rows)^T + b (AVX2), formats.reference_linear's numbers", nogil);
   m.def("moe_quantw", &avx2_moe_quantw,
         "a MoE layer's routed experts over stacked quantized rows, fp32 (AVX2): routed_experts' numbers", nogil);
+  m.def("moe_grouped_topk", &moe_grouped_topk, "DeepSeek's group-limited top-k routing: (weights, ids)", nogil);
   m.def("rms_norm", &avx2_rms_norm, "fp32 RMSNorm (AVX2)", nogil);
   m.def("fused_add_rms_norm", &avx2_fused_add_rms_norm, "residual += x; RMSNorm(residual), fp32", nogil);
   m.def("silu_and_mul", &avx2_silu_and_mul, "silu(gate) * up, fp32", nogil);

@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "kernels.h"
+#include "moe_routing.h"
 
 namespace {
 
@@ -166,4 +167,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sparse_mla_decode", &sparse_mla_decode, "absorbed-MLA decode over selected latent rows", nogil);
   m.def("moe_experts", &moe_experts, "routed MoE experts for a few tokens, grouped by expert", nogil);
   m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention", nogil);
+  m.def("moe_grouped_topk", &moe_grouped_topk, "DeepSeek's group-limited top-k routing: (weights, ids)", nogil);
 }

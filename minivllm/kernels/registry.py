@@ -84,6 +84,7 @@ register_family(
             "dsa_indexer_topk",
             "sparse_mla_decode",
             "moe_experts",
+            "moe_grouped_topk",
         )
     },
 )
@@ -109,6 +110,7 @@ register_family(
                 "linear_bf16w",
                 "linear_quantw",
                 "moe_quantw",
+                "moe_grouped_topk",
                 "paged_attention_decode",
                 "rms_norm",
                 "fused_add_rms_norm",

@@ -1,0 +1,101 @@
+// DeepSeek's group-limited top-k routing (layers/moe.grouped_topk) in one call. Plain C++,
+// no intrinsics: both CPU families compile it (moe_routing.h), each binding it as
+// "moe_grouped_topk".
+//
+// Why: the reference is ten PyTorch ops (sigmoid, add, view, topk, sum, topk, scatter,
+// repeat_interleave, masked_fill, topk, gather, sum, div, mul), ~0.3 ms per MoE layer
+// per decode step on AMD EPYC Zen 1 whatever the experts' format, where the work is a
+// few hundred comparisons per token.
+//
+// The numbers are the reference's: the sigmoid is ATen's own op, the bias added in
+// float32, a group's score the sum of its two largest biased affinities, the weights the
+// unbiased affinities of the chosen experts divided by their sum plus 1e-20 and times the
+// scaling, in float32. Ties go to the lower index (the reference leaves them unspecified);
+// the chosen ids come out by descending biased affinity.
+#include "moe_routing.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+std::tuple<torch::Tensor, torch::Tensor> moe_grouped_topk(torch::Tensor router_logits,
+                                                          c10::optional<torch::Tensor> correction_bias,
+                                                          int64_t top_k, int64_t num_groups, int64_t topk_group,
+                                                          bool renormalize, double scaling) {
+  TORCH_CHECK(router_logits.is_cpu() && router_logits.scalar_type() == at::kFloat && router_logits.dim() == 2,
+              "router_logits: float32 [T, E] on the CPU");
+  const int64_t T = router_logits.size(0), E = router_logits.size(1);
+  TORCH_CHECK(num_groups >= 1 && E % num_groups == 0, "num_groups=", num_groups, " must divide ", E, " experts");
+  const int64_t per_group = E / num_groups;
+  TORCH_CHECK(num_groups == 1 || per_group >= 2, "a group is scored by its best two experts");
+  TORCH_CHECK(topk_group >= 1 && topk_group <= num_groups, "topk_group must be in [1, num_groups]");
+  TORCH_CHECK(top_k >= 1 && top_k <= topk_group * per_group, "top_k=", top_k, " must be in [1, ",
+              topk_group * per_group, "] (the experts of topk_group groups)");
+  const float* bias = nullptr;
+  torch::Tensor bias_c;
+  if (correction_bias.has_value() && correction_bias->defined()) {
+    TORCH_CHECK(correction_bias->is_cpu() && correction_bias->scalar_type() == at::kFloat &&
+                    correction_bias->numel() == E,
+                "correction_bias: float32 [E] on the CPU");
+    bias_c = correction_bias->contiguous();
+    bias = bias_c.data_ptr<float>();
+  }
+  const auto scores = router_logits.sigmoid().contiguous();
+  const float* sp = scores.data_ptr<float>();
+  auto weights = torch::empty({T, top_k}, scores.options());
+  auto ids = torch::empty({T, top_k}, scores.options().dtype(at::kLong));
+  float* wp = weights.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const float scale = static_cast<float>(scaling);
+
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> choice(E), group_score(num_groups);
+    std::vector<int64_t> groups(num_groups), candidates;
+    candidates.reserve(E);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* s = sp + t * E;
+      for (int64_t e = 0; e < E; ++e) choice[e] = bias ? s[e] + bias[e] : s[e];
+      // higher biased affinity first, then the lower index
+      auto before = [&](int64_t a, int64_t b) { return choice[a] > choice[b] || (choice[a] == choice[b] && a < b); };
+      candidates.clear();
+      if (num_groups > 1 && topk_group < num_groups) {
+        for (int64_t g = 0; g < num_groups; ++g) {
+          const float* c = choice.data() + g * per_group;
+          float best = c[0] > c[1] ? c[0] : c[1], second = c[0] > c[1] ? c[1] : c[0];
+          for (int64_t j = 2; j < per_group; ++j) {
+            if (c[j] > best) {
+              second = best;
+              best = c[j];
+            } else if (c[j] > second) {
+              second = c[j];
+            }
+          }
+          group_score[g] = best + second;
+          groups[g] = g;
+        }
+        std::partial_sort(groups.begin(), groups.begin() + topk_group, groups.end(), [&](int64_t a, int64_t b) {
+          return group_score[a] > group_score[b] || (group_score[a] == group_score[b] && a < b);
+        });
+        std::sort(groups.begin(), groups.begin() + topk_group);
+        for (int64_t i = 0; i < topk_group; ++i)
+          for (int64_t j = 0; j < per_group; ++j) candidates.push_back(groups[i] * per_group + j);
+      } else {
+        for (int64_t e = 0; e < E; ++e) candidates.push_back(e);
+      }
+      std::partial_sort(candidates.begin(), candidates.begin() + top_k, candidates.end(), before);
+      float* w = wp + t * top_k;
+      int64_t* id = ip + t * top_k;
+      float sum = 0.f;
+      for (int64_t i = 0; i < top_k; ++i) {
+        id[i] = candidates[i];
+        w[i] = s[candidates[i]];
+        sum += w[i];
+      }
+      const float denom = sum + 1e-20f;
+      for (int64_t i = 0; i < top_k; ++i) w[i] = (renormalize ? w[i] / denom : w[i]) * scale;
+    }
+  });
+  return {weights, ids};
+}
