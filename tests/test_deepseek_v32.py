@@ -20,7 +20,7 @@ from minivllm.layers.attention.dsa import (
     mla_prefill,
     selection_mask,
 )
-from minivllm.layers.moe import GroupedTopKRouter, grouped_topk, moe_reference
+from minivllm.layers.moe import FusedMoE, GroupedTopKRouter, grouped_topk, moe_reference
 from tests.conftest import assert_logprobs_match, hf_greedy
 
 DSA = dict(
@@ -168,6 +168,11 @@ def test_logprobs_and_greedy_match_transformers(dsa_checkpoint, name, overrides)
         ]
         assert bool(routers) == ("moe" in name)
         assert all(r.topk_op is not None for r in routers)
+        # a bf16 checkpoint's experts (bf16 values) as bf16 panels, run by moe_bf16w
+        for m in llm.llm_engine.executor.runner.model.modules():
+            if isinstance(m, FusedMoE):
+                assert (m.panels_op is not None) == ("bf16-valued" in name)
+                assert m.w13.dtype == (torch.bfloat16 if "bf16-valued" in name else torch.float32)
     hf = _hf(path)
     assert_logprobs_match(hf, prompts, outputs)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 12)
@@ -378,6 +383,67 @@ def test_compiled_routing_refuses_bad_shapes() -> None:
         op(logits.double(), None, 2, 4, 2, True, 1.0)
     with pytest.raises(ValueError, match="topk_group"):
         GroupedTopKRouter(8, 16, top_k=9, num_groups=4, topk_group=2)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_bf16_valued_experts_as_panels_equal_the_reference(tokens) -> None:
+    """An fp32 engine on the AVX2 kernels holds bf16-valued experts as bf16 panels and
+    runs them in one call (avx2_moe.cpp's moe_bf16w): the routed output of the float32
+    weights, up to summation order; experts with other values stay float32."""
+    from minivllm.kernels.registry import select_kernels
+
+    kernels = select_kernels("cpu", torch.float32)
+    if kernels.op("moe_bf16w") is None:
+        pytest.skip("no AVX2 kernels here")
+    gen = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter, top_k = 8, 48, 40, 3  # 2I = 80, 48: neither a multiple of 32
+    moe = FusedMoE(experts, hidden, inter)
+    moe.w13.data = (torch.randn(experts, 2 * inter, hidden, generator=gen) / 7).bfloat16().float()
+    moe.w2.data = (torch.randn(experts, hidden, inter, generator=gen) / 6).bfloat16().float()
+    w13, w2 = moe.w13.data.clone(), moe.w2.data.clone()
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    ids = torch.stack([torch.randperm(experts - 2, generator=gen)[:top_k] for _ in range(tokens)])
+    moe.process_weights_after_loading(kernels)
+    assert moe.panels_op is not None and moe.w13.dtype == torch.bfloat16
+    assert moe.w13.shape == (experts, 5, hidden, 16) and moe.w2.shape == (experts, 3, inter, 16)
+    with torch.no_grad():
+        got = moe(x, weights, ids)
+    torch.testing.assert_close(got, moe_reference(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+    other = FusedMoE(experts, hidden, inter)
+    other.w13.data, other.w2.data = w13.clone(), w2 + 1e-3  # w2 not bf16 values
+    other.process_weights_after_loading(kernels)
+    assert other.panels_op is None and other.w13.dtype == torch.float32
+
+
+def test_weight_cache_maps_expert_panels(dsa_checkpoint, tmp_path) -> None:
+    """A daemon started with --dtype float32 holds a bf16-valued checkpoint's experts as
+    the panels; a mapping engine runs them as they are, with the disk load's outputs."""
+    from minivllm.kernels.registry import select_kernels
+    from tests.test_weight_cache import mapping_of
+    from tests.weight_cache_harness import Daemon, assert_same_outputs, short_dir
+
+    if select_kernels("cpu", torch.float32).op("moe_bf16w") is None:
+        pytest.skip("no AVX2 kernels here")
+    path = dsa_checkpoint("moe-bf16-valued", round_to_bf16=True)
+    prompts = [{"prompt_token_ids": p} for p in _prompts([20, 50], seed=3)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    disk = LLM(str(path), **ENGINE)
+    expected = disk.generate(prompts, greedy, use_tqdm=False)
+    disk.llm_engine.shutdown()
+    socket_dir = short_dir()
+    daemon = Daemon(path, socket_dir, tmp_path / "daemon.log", "--dtype", "float32")
+    try:
+        daemon.wait_ready()
+        extra = {"socket_dir": str(socket_dir), "fallback": False}
+        llm = LLM(str(path), load_format="ipc_cache", model_loader_extra_config=extra, **ENGINE)
+        assert_same_outputs(llm.generate(prompts, greedy, use_tqdm=False), expected)
+        layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts
+        assert layer.panels_op is not None and layer.w13.dim() == 4
+        assert "memfd:minivllm-weights" in mapping_of(layer.w13.data_ptr())[1]
+        llm.llm_engine.shutdown()
+    finally:
+        daemon.stop()
 
 
 @pytest.mark.parametrize("name", ["moe", "glm-moe-dsa"])

@@ -42,6 +42,9 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
                               torch::Tensor s13, c10::optional<torch::Tensor> z13, torch::Tensor w2,
                               torch::Tensor s2, c10::optional<torch::Tensor> z2);
 
+torch::Tensor avx2_moe_bf16w(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
+                             torch::Tensor w13, int64_t n13, torch::Tensor w2);
+
 torch::Tensor avx2_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor avx2_fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
 torch::Tensor avx2_silu_and_mul(torch::Tensor x);

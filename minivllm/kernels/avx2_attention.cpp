@@ -218,6 +218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp32 x @ dequantized(int8 | int4 | fp8 rows)^T + b (AVX2), formats.reference_linear's numbers", nogil);
   m.def("moe_quantw", &avx2_moe_quantw,
         "a MoE layer's routed experts over stacked quantized rows, fp32 (AVX2): routed_experts' numbers", nogil);
+  m.def("moe_bf16w", &avx2_moe_bf16w,
+        "a MoE layer's routed experts over per-expert bf16 panels, fp32 (AVX2): routed_experts' numbers", nogil);
   m.def("moe_grouped_topk", &moe_grouped_topk, "DeepSeek's group-limited top-k routing: (weights, ids)", nogil);
   m.def("rms_norm", &avx2_rms_norm, "fp32 RMSNorm (AVX2)", nogil);
   m.def("fused_add_rms_norm", &avx2_fused_add_rms_norm, "residual += x; RMSNorm(residual), fp32", nogil);

@@ -1,7 +1,9 @@
-// Routed MoE experts with quantized weights in fp32 engines (AVX2 family): one call runs a
-// MoE layer's step, every chosen expert's gate/up product, SiLU gating and down product
-// through avx2_quant.cpp's linear_quantw on that expert's rows of the stacked weights,
-// each output weighted by the router and summed into its token's row.
+// Routed MoE experts in fp32 engines (AVX2 family): one call runs a MoE layer's step,
+// every chosen expert's gate/up product, SiLU gating and down product on that expert's
+// rows of the stacked weights, each output weighted by the router and summed into its
+// token's row. Two weight forms: quantized rows through avx2_quant.cpp's linear_quantw
+// (moe_quantw), and a bf16 checkpoint's experts held as bf16 panels
+// (layers/panel_linear.py) through avx2_linear.cpp's linear_bf16w (moe_bf16w).
 //
 // Why a call per layer and not per expert: on the DeepSeek-V3.2 shape scaled to 400M
 // (hidden 1024, experts of 256, top-4; AMD EPYC Zen 1, 2026-12-04) a decode step's
@@ -9,8 +11,8 @@
 // products took 0.23 ms; the rest was indexing, gathering and scattering per expert.
 //
 // The arithmetic is layers/moe.routed_experts' with the same ops: experts in ascending
-// order, each token's rows gathered, y = linear_quantw(silu(g) * u), out[t] += y * w
-// (the product rounded before the sum, as the reference's tensor ops round it).
+// order, each token's rows gathered, y = down(silu(g) * u), out[t] += y * w (the product
+// rounded before the sum, as the reference's tensor ops round it).
 #include <torch/extension.h>
 
 #include <cstdint>
@@ -18,22 +20,21 @@
 
 #include "avx2_api.h"
 
-// x [T, H] fp32; topk_weights [T, k] fp32, topk_ids [T, k] integers in [0, E); w13 the
-// stacked gate/up rows [E * 2I, ...] with scale (and int4's zero), w2 the down rows
-// [E * H, ...]: linear_quantw's operands of kind `kind` and `group_size`. Returns [T, H].
-torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
-                              int64_t num_experts, int64_t kind, int64_t group_size, torch::Tensor w13,
-                              torch::Tensor s13, c10::optional<torch::Tensor> z13, torch::Tensor w2,
-                              torch::Tensor s2, c10::optional<torch::Tensor> z2) {
+namespace {
+
+// The routing loop: up(e, rows) is expert e's [n, 2I] gate-then-up product of its tokens'
+// rows, down(e, h) its [n, H] down product. x [T, H] fp32; topk_weights [T, k] fp32,
+// topk_ids [T, k] integers in [0, E). Returns [T, H].
+template <class Up, class Down>
+torch::Tensor route(torch::Tensor x, const torch::Tensor& topk_weights, const torch::Tensor& topk_ids,
+                    int64_t E, Up&& up, Down&& down) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: float32 [T, H]");
   TORCH_CHECK(x.is_cpu() && topk_ids.is_cpu() && topk_weights.is_cpu(), "CPU tensors only");
   TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0), "topk_ids: [T, k]");
   TORCH_CHECK(!at::isFloatingType(topk_ids.scalar_type()) && topk_ids.scalar_type() != at::kBool,
               "topk_ids: integers");
   TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights: [T, k] like topk_ids");
-  const int64_t E = num_experts, T = x.size(0), H = x.size(1), top = topk_ids.size(1);
-  TORCH_CHECK(E > 0 && w13.size(0) % E == 0 && w2.size(0) == E * H, "w13: [E * 2I, ...], w2: [E * H, ...]");
-  const int64_t r13 = w13.size(0) / E;
+  const int64_t T = x.size(0), H = x.size(1), top = topk_ids.size(1);
   x = x.contiguous();
   const auto ids = topk_ids.to(at::kLong).contiguous();
   const auto wts = topk_weights.to(at::kFloat).contiguous();
@@ -50,10 +51,6 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
   }
   auto out = torch::zeros_like(x);
   float* op = out.data_ptr<float>();
-  auto rows = [](const c10::optional<torch::Tensor>& t, int64_t start, int64_t n) -> c10::optional<torch::Tensor> {
-    if (!t.has_value() || !t->defined()) return c10::nullopt;
-    return t->narrow(0, start, n);
-  };
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = static_cast<int64_t>(tokens[e].size());
     if (n == 0) continue;
@@ -62,10 +59,8 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
       const auto index = torch::from_blob(tokens[e].data(), {n}, torch::dtype(at::kLong));
       xe = x.index_select(0, index);
     }
-    auto h = avx2_linear_quantw(xe, kind, w13.narrow(0, e * r13, r13), s13.narrow(0, e * r13, r13),
-                                rows(z13, e * r13, r13), group_size, c10::nullopt);
-    auto y = avx2_linear_quantw(avx2_silu_and_mul(h), kind, w2.narrow(0, e * H, H), s2.narrow(0, e * H, H),
-                                rows(z2, e * H, H), group_size, c10::nullopt);
+    const torch::Tensor y = down(e, avx2_silu_and_mul(up(e, xe))).contiguous();
+    TORCH_CHECK(y.scalar_type() == at::kFloat && y.size(0) == n && y.size(1) == H, "down: [n, H] float32");
     const float* yp = y.data_ptr<float>();
     for (int64_t i = 0; i < n; ++i) {
       float* dst = op + tokens[e][i] * H;
@@ -78,4 +73,46 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
     }
   }
   return out;
+}
+
+}  // namespace
+
+// w13 the stacked gate/up rows [E * 2I, ...] with scale (and int4's zero), w2 the down
+// rows [E * H, ...]: linear_quantw's operands of kind `kind` and `group_size`.
+torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
+                              int64_t num_experts, int64_t kind, int64_t group_size, torch::Tensor w13,
+                              torch::Tensor s13, c10::optional<torch::Tensor> z13, torch::Tensor w2,
+                              torch::Tensor s2, c10::optional<torch::Tensor> z2) {
+  const int64_t E = num_experts, H = x.size(-1);
+  TORCH_CHECK(E > 0 && w13.size(0) % E == 0 && w2.size(0) == E * H, "w13: [E * 2I, ...], w2: [E * H, ...]");
+  const int64_t r13 = w13.size(0) / E;
+  auto rows = [](const c10::optional<torch::Tensor>& t, int64_t start, int64_t n) -> c10::optional<torch::Tensor> {
+    if (!t.has_value() || !t->defined()) return c10::nullopt;
+    return t->narrow(0, start, n);
+  };
+  return route(
+      x, topk_weights, topk_ids, E,
+      [&](int64_t e, const torch::Tensor& xe) {
+        return avx2_linear_quantw(xe, kind, w13.narrow(0, e * r13, r13), s13.narrow(0, e * r13, r13),
+                                  rows(z13, e * r13, r13), group_size, c10::nullopt);
+      },
+      [&](int64_t e, const torch::Tensor& h) {
+        return avx2_linear_quantw(h, kind, w2.narrow(0, e * H, H), s2.narrow(0, e * H, H), rows(z2, e * H, H),
+                                  group_size, c10::nullopt);
+      });
+}
+
+// w13 [E, ceil(2I / 16), H, 16] and w2 [E, ceil(H / 16), I, 16]: each expert's gate/up and
+// down weights as linear_bf16w's panels.
+torch::Tensor avx2_moe_bf16w(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
+                             torch::Tensor w13, int64_t n13, torch::Tensor w2) {
+  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.size(0) == w2.size(0) && w13.size(0) > 0,
+              "w13, w2: bf16 panels [E, panels, K, 16]");
+  TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "w13, w2: contiguous panels");
+  const int64_t E = w13.size(0), H = x.size(-1);
+  TORCH_CHECK(w13.size(2) == H, "w13's K must be x's hidden size");
+  return route(
+      x, topk_weights, topk_ids, E,
+      [&](int64_t e, const torch::Tensor& xe) { return avx2_linear_bf16w(xe, w13[e], n13, c10::nullopt); },
+      [&](int64_t e, const torch::Tensor& h) { return avx2_linear_bf16w(h, w2[e], H, c10::nullopt); });
 }

@@ -110,6 +110,7 @@ register_family(
                 "linear_bf16w",
                 "linear_quantw",
                 "moe_quantw",
+                "moe_bf16w",
                 "moe_grouped_topk",
                 "paged_attention_decode",
                 "rms_norm",

@@ -26,6 +26,7 @@ from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all
 from minivllm.kernels.registry import Kernels
 from minivllm.layers.custom_op import CustomOp
 from minivllm.layers.linear import divide
+from minivllm.layers.panel_linear import exactly_bf16, pack_panels
 
 
 def grouped_topk(
@@ -153,11 +154,16 @@ class GroupedTopKRouter(CustomOp):
 class FusedMoE(CustomOp):
     """The routed experts, stacked; returns the routed output of a token batch (all-reduced).
     On bf16 CPUs with the kernels, one call (`kernels/moe.cpp`) reads each chosen expert's
-    weights once for all the tokens that chose it."""
+    weights once for all the tokens that chose it. In fp32 engines on the AVX2 kernels, a
+    bf16 checkpoint's experts are held as bf16 panels, as its linears are
+    (`layers/panel_linear.py`), and run in one call (`kernels/avx2_moe.cpp`): half the
+    memory and bytes per step of float32 experts, the same values."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.moe_op: Callable[..., torch.Tensor] | None = None
+        # avx2_moe.cpp's moe_bf16w where w13/w2 hold bf16 panels [E, panels, K, 16]
+        self.panels_op: Callable[..., torch.Tensor] | None = None
         # a quantized experts method (`quantization/moe_method.py`), or None: w13 and w2
         # in the model's dtype
         self.quant_method = None
@@ -187,16 +193,44 @@ class FusedMoE(CustomOp):
             )
         dst.copy_(src)
 
+    def process_weights_after_loading(self, kernels: Kernels) -> None:
+        """Unquantized experts in an fp32 engine on the AVX2 kernels, whose values are all
+        bf16 (a bf16 checkpoint's): repacked as bf16 panels, one expert at a time. A
+        weight-cache daemon exports the panels, and a mapped engine finds them as they are."""
+        op = kernels.op("moe_bf16w")
+        if op is None or self.quant_method is not None:
+            return
+        if self.w13.dim() == 4:  # mapped from a daemon that packed them
+            self.panels_op = op
+            return
+        if self.w13.dtype != torch.float32 or not all(
+            exactly_bf16(w) for w in (*self.w13.data, *self.w2.data)
+        ):
+            return
+        for name in ("w13", "w2"):
+            stacked = getattr(self, name).data
+            first = pack_panels(stacked[0])
+            packed = torch.empty((len(stacked), *first.shape), dtype=torch.bfloat16)
+            packed[0] = first
+            for expert in range(1, len(stacked)):
+                packed[expert] = pack_panels(stacked[expert])
+            self.register_parameter(name, nn.Parameter(packed, requires_grad=False))
+        self.panels_op = op
+
     def select_kernels(self, kernels: Kernels) -> None:
         self.moe_op = kernels.op("moe_experts")
 
     @property
     def uses_kernels(self) -> bool:
-        return self.moe_op is not None
+        return self.moe_op is not None or self.panels_op is not None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if self.quant_method is not None:
             out = self.quant_method.apply(self, x, weights, ids)
+        elif self.panels_op is not None:
+            rows = x.float().contiguous()
+            out = self.panels_op(rows, weights, ids, self.w13, 2 * self.intermediate, self.w2)
+            out = out.to(x.dtype)
         elif self.moe_op is not None and x.dtype == torch.bfloat16:
             out = self.moe_op(x.contiguous(), self.w13, self.w2, weights, ids)
         else:

@@ -130,7 +130,20 @@ def process_weights_after_loading(
             # the LM head now holds the tied table as bf16 panels: the embedding reads
             # its rows from them (`panel_rows`) rather than keep the fp32 table too
             table.weight = module.weight
-    # quantized routed experts (quantization/moe_method.py); unquantized ones need nothing
+    # routed experts: quantized ones (quantization/moe_method.py) by their method,
+    # unquantized ones as bf16 panels where an fp32 engine on AVX2 can hold them so
+    plain_experts = [
+        m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_method is None
+    ]
+    for module in plain_experts:
+        module.process_weights_after_loading(kernels)
+    paneled = [m for m in plain_experts if m.panels_op is not None]
+    if paneled:
+        logger.info(
+            "routed experts of %d MoE layers as bf16 panels (%.2f GiB) on the AVX2 kernels",
+            len(paneled),
+            sum(m.w13.nbytes + m.w2.nbytes for m in paneled) / 2**30,
+        )
     experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_method]
     for module in experts:
         if mapped:
