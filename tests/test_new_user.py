@@ -104,35 +104,35 @@ def test_hub_ids_resolve_from_an_offline_cache(
     hf_home = tmp_path / "hf"
     make_hub_cache(hf_home, "acme/tiny", qwen3_dir, "a" * 40)
     make_hub_cache(hf_home, "acme/tiny", other, "b" * 40, ref="v2")
+    # one process runs the four engines (a process each cost ~6 s of imports)
     code = (
         "import sys\n"
         "from minivllm import LLM, SamplingParams\n"
-        "name, revision = sys.argv[1], (sys.argv[2] or None)\n"
-        "llm = LLM(name, revision=revision, dtype='float32', kv_cache_memory_bytes=1 << 22)\n"
-        "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(temperature=0, "
-        "max_tokens=8), use_tqdm=False)\n"
-        "print(llm.llm_engine.config.model.model)\n"
-        "print(out[0].outputs[0].token_ids)\n"
+        "for name, revision in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+        "    llm = LLM(name, revision=revision or None, dtype='float32',\n"
+        "              kv_cache_memory_bytes=1 << 22)\n"
+        "    out = llm.generate([{'prompt_token_ids': [5, 6, 7]}],\n"
+        "                       SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)\n"
+        "    print(llm.llm_engine.config.model.model)\n"
+        "    print(out[0].outputs[0].token_ids)\n"
+        "    llm.llm_engine.shutdown()\n"
     )
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(hf_home)}
     env["HF_HUB_OFFLINE"] = "1"
-
-    def run(name: str, revision: str = "") -> list[str]:
-        out = subprocess.run(
-            [sys.executable, "-c", code, name, revision],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout.strip().splitlines()[-2:]
-
-    path_main, tokens_main = run("acme/tiny")
-    path_v2, tokens_v2 = run("acme/tiny", "v2")
-    _, tokens_dir = run(str(qwen3_dir))
-    _, tokens_other = run(str(other))
+    runs = [("acme/tiny", ""), ("acme/tiny", "v2"), (str(qwen3_dir), ""), (str(other), "")]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *(arg for run in runs for arg in run)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()[-8:]
+    (path_main, tokens_main), (path_v2, tokens_v2) = lines[0:2], lines[2:4]
+    tokens_dir, tokens_other = lines[5], lines[7]
     assert path_main.endswith("a" * 40) and path_v2.endswith("b" * 40)
+    assert lines[4] == str(qwen3_dir) and lines[6] == str(other)
     assert tokens_main == tokens_dir and tokens_v2 == tokens_other
     assert tokens_main != tokens_v2
     # an id that is not cached, offline: a clear error, not a traceback from deep inside

@@ -374,14 +374,19 @@ def test_fp32_engine_maps_the_daemons_bf16_weight_panels(start_daemon: Any, bf16
 def test_key_from_a_peer_without_a_defaulted_field() -> None:
     """A key from before the `draft` field existed reads as draft "none", so a comparison
     names the field instead of refusing the request; required fields stay required."""
-    from minivllm.weight_cache.key import WeightCacheKey
+    from minivllm.weight_cache.key import WEIGHT_LAYOUT, WeightCacheKey
 
     fields = {f.name: f for f in WeightCacheKey.__dataclass_fields__.values()}
     full = {name: (1 if f.type == "int" else "x") for name, f in fields.items()}
     full["draft"] = "draft_model:abc"
+    full["layout"] = WEIGHT_LAYOUT
     key = WeightCacheKey.from_json(full)
     old = WeightCacheKey.from_json({k: v for k, v in full.items() if k != "draft"})
     assert old.draft == "none" and key.mismatched_fields(old) == ["draft"]
+    # a daemon from before processed layouts were versioned: its experts may be laid out
+    # otherwise, so the key differs in `layout` and the engine falls back
+    older = WeightCacheKey.from_json({k: v for k, v in full.items() if k != "layout"})
+    assert older.layout == "1" != WEIGHT_LAYOUT and key.mismatched_fields(older) == ["layout"]
     with pytest.raises(ValueError, match="fields differ"):
         WeightCacheKey.from_json({k: v for k, v in full.items() if k != "checkpoint"})
 

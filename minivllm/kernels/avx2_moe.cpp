@@ -83,7 +83,8 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
                               int64_t num_experts, int64_t kind, int64_t group_size, torch::Tensor w13,
                               torch::Tensor s13, c10::optional<torch::Tensor> z13, torch::Tensor w2,
                               torch::Tensor s2, c10::optional<torch::Tensor> z2) {
-  const int64_t E = num_experts, H = x.size(-1);
+  TORCH_CHECK(x.dim() == 2, "x: float32 [T, H]");
+  const int64_t E = num_experts, H = x.size(1);
   TORCH_CHECK(E > 0 && w13.size(0) % E == 0 && w2.size(0) == E * H, "w13: [E * 2I, ...], w2: [E * H, ...]");
   const int64_t r13 = w13.size(0) / E;
   auto rows = [](const c10::optional<torch::Tensor>& t, int64_t start, int64_t n) -> c10::optional<torch::Tensor> {
@@ -106,10 +107,12 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
 // down weights as linear_bf16w's panels.
 torch::Tensor avx2_moe_bf16w(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
                              torch::Tensor w13, int64_t n13, torch::Tensor w2) {
+  TORCH_CHECK(x.dim() == 2, "x: float32 [T, H]");
   TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.size(0) == w2.size(0) && w13.size(0) > 0,
               "w13, w2: bf16 panels [E, panels, K, 16]");
+  TORCH_CHECK(w13.is_cpu() && w2.is_cpu(), "CPU tensors only");
   TORCH_CHECK(w13.is_contiguous() && w2.is_contiguous(), "w13, w2: contiguous panels");
-  const int64_t E = w13.size(0), H = x.size(-1);
+  const int64_t E = w13.size(0), H = x.size(1);
   TORCH_CHECK(w13.size(2) == H, "w13's K must be x's hidden size");
   return route(
       x, topk_weights, topk_ids, E,

@@ -207,14 +207,17 @@ class FusedMoE(CustomOp):
             exactly_bf16(w) for w in (*self.w13.data, *self.w2.data)
         ):
             return
+        packed = {}
         for name in ("w13", "w2"):
             stacked = getattr(self, name).data
             first = pack_panels(stacked[0])
-            packed = torch.empty((len(stacked), *first.shape), dtype=torch.bfloat16)
-            packed[0] = first
+            packed[name] = torch.empty((len(stacked), *first.shape), dtype=torch.bfloat16)
+            packed[name][0] = first
             for expert in range(1, len(stacked)):
-                packed[expert] = pack_panels(stacked[expert])
-            self.register_parameter(name, nn.Parameter(packed, requires_grad=False))
+                packed[name][expert] = pack_panels(stacked[expert])
+        # both or neither (a failure above leaves the float32 experts as they were)
+        for name, panels in packed.items():
+            self.register_parameter(name, nn.Parameter(panels, requires_grad=False))
         self.panels_op = op
 
     def select_kernels(self, kernels: Kernels) -> None:

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
     from minivllm.kernels.registry import Kernels
 
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+# The processed tensors' layouts, raised whenever a load step changes what it exports: a
+# daemon and an engine of different layouts then differ in this field and the engine
+# falls back to its own load. "1": through 2026-12-04; "2": a bf16 checkpoint's routed
+# experts as bf16 panels [E, panels, K, 16] in fp32 engines on the AVX2 kernels.
+WEIGHT_LAYOUT = "2"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +47,8 @@ class WeightCacheKey:
     # the speculative draft the daemon also holds: "none", or a hash of the method and the
     # draft's checkpoint fingerprint, config.json and context length
     draft: str = "none"
+    # WEIGHT_LAYOUT; a peer from before the field existed reads as "1"
+    layout: str = "1"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -158,4 +165,5 @@ def compute_key(config: EngineConfig, kernels: Kernels, tp_rank: int) -> WeightC
         minivllm_version=__version__,
         torch_version=torch.__version__,
         draft=_draft(config),
+        layout=WEIGHT_LAYOUT,
     )
