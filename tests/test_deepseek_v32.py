@@ -446,11 +446,14 @@ def test_weight_cache_maps_expert_panels(dsa_checkpoint, tmp_path) -> None:
         daemon.stop()
 
 
-@pytest.mark.parametrize("name", ["moe", "glm-moe-dsa"])
+# bf16-valued: on the AVX2 kernels each rank holds its experts' slices as bf16 panels;
+# GLM's float32 values keep them float32
+@pytest.mark.parametrize("name", ["moe-bf16-valued", "glm-moe-dsa"])
 def test_tensor_parallel_2_matches_transformers(dsa_checkpoint, name) -> None:
     """Heads, dense MLPs and every expert's intermediate dimension split over two ranks;
     latent cache and indexer replicated (each rank selects the same tokens)."""
-    path = dsa_checkpoint(name, **(dict(glm=True, **GLM) if name.startswith("glm") else {}))
+    glm = name.startswith("glm")
+    path = dsa_checkpoint(name, **(dict(glm=True, **GLM) if glm else dict(round_to_bf16=True)))
     prompts = _prompts([30, 70], seed=5)
     llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
     try:
