@@ -26,7 +26,7 @@ from minivllm.distributed.parallel_state import get_tp_rank, get_tp_size, tp_all
 from minivllm.kernels.registry import Kernels
 from minivllm.layers.custom_op import CustomOp
 from minivllm.layers.linear import divide
-from minivllm.layers.panel_linear import exactly_bf16, pack_panels
+from minivllm.layers.panel_linear import PANEL, exactly_bf16, pack_panels
 
 
 def grouped_topk(
@@ -210,10 +210,9 @@ class FusedMoE(CustomOp):
         packed = {}
         for name in ("w13", "w2"):
             stacked = getattr(self, name).data
-            first = pack_panels(stacked[0])
-            packed[name] = torch.empty((len(stacked), *first.shape), dtype=torch.bfloat16)
-            packed[name][0] = first
-            for expert in range(1, len(stacked)):
+            e, n, k = stacked.shape
+            packed[name] = torch.empty(e, -(-n // PANEL), k, PANEL, dtype=torch.bfloat16)
+            for expert in range(e):
                 packed[name][expert] = pack_panels(stacked[expert])
         # both or neither (a failure above leaves the float32 experts as they were)
         for name, panels in packed.items():

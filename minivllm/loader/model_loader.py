@@ -132,9 +132,8 @@ def process_weights_after_loading(
             table.weight = module.weight
     # routed experts: quantized ones (quantization/moe_method.py) by their method,
     # unquantized ones as bf16 panels where an fp32 engine on AVX2 can hold them so
-    plain_experts = [
-        m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_method is None
-    ]
+    moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    plain_experts = [m for m in moe_layers if m.quant_method is None]
     for module in plain_experts:
         module.process_weights_after_loading(kernels)
     paneled = [m for m in plain_experts if m.panels_op is not None]
@@ -144,7 +143,7 @@ def process_weights_after_loading(
             len(paneled),
             sum(m.w13.nbytes + m.w2.nbytes for m in paneled) / 2**30,
         )
-    experts = [m for m in model.modules() if isinstance(m, FusedMoE) and m.quant_method]
+    experts = [m for m in moe_layers if m.quant_method is not None]
     for module in experts:
         if mapped:
             module.quant_method.process_weights_after_mapping(module, kernels)

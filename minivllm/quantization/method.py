@@ -263,10 +263,10 @@ def log_backends(modules: list[nn.Module]) -> None:
     linear_backend_per_quant asked for it or it is this CPU's default. A default that fell
     to the plain-PyTorch reference (it dequantizes the whole weight at every call) is a
     warning that says why."""
+    from minivllm.quantization.moe_method import QuantizedMoEMethod  # it imports this module
+
     counts: dict[tuple[str, str, bool], list] = {}  # linear and routed-experts methods
     for module in modules:
-        from minivllm.quantization.moe_method import QuantizedMoEMethod
-
         method = getattr(module, "quant_method", None)
         quantized = isinstance(method, (QuantizedLinearMethod, QuantizedMoEMethod))
         if quantized and method.quant_weights is not None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -89,21 +90,39 @@ class QuantizedMoEMethod:
         spec = self.spec
         for part, (n, k) in self.shapes(layer).items():
             full = getattr(layer, part).data
-            stacks = self._empty_stacks(n, k, full.device)
-            rows = n // layer.num_experts
-            for e in range(layer.num_experts):
-                qw = formats.quantize(full[e], spec.scheme, spec.group_size, spec.symmetric)
-                for name, tensor in qw.tensors().items():
-                    stacks[name][e * rows : (e + 1) * rows].copy_(tensor)
+            stacks = self._build_stacks(
+                layer.num_experts,
+                n,
+                k,
+                full.device,
+                lambda e, w=full: formats.quantize(
+                    w[e], spec.scheme, spec.group_size, spec.symmetric
+                ),
+            )
             delattr(layer, part)
             self._register(layer, part, stacks)
         self._use(layer, kernels)
 
-    def _empty_stacks(self, n: int, k: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """The processed tensors of an [n, k] stack, uninitialised (on huge pages on CPU)."""
+    def _build_stacks(
+        self,
+        num_experts: int,
+        n: int,
+        k: int,
+        device: torch.device,
+        expert: Callable[[int], formats.QuantWeights],
+    ) -> dict[str, torch.Tensor]:
+        """The processed tensors of an [n, k] stack (on huge pages on CPU), filled one
+        expert at a time from `expert(e)`, that expert's rows as the scheme's tensors."""
         arena = huge_pages.weights_arena()
         shapes = processed_shapes(self.spec, n, k, self.group)
-        return {name: arena.empty(shape, dtype, device) for name, (shape, dtype) in shapes.items()}
+        stacks = {
+            name: arena.empty(shape, dtype, device) for name, (shape, dtype) in shapes.items()
+        }
+        rows = n // num_experts
+        for e in range(num_experts):
+            for name, tensor in expert(e).tensors().items():
+                stacks[name][e * rows : (e + 1) * rows].copy_(tensor)
+        return stacks
 
     def _register(self, layer: nn.Module, part: str, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
@@ -355,20 +374,24 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
             )
         for part, (n, k) in self.shapes(layer).items():
             stack = self._stacks.pop(part)
-            stacks = self._empty_stacks(n, k, self.device)
-            rows = n // layer.num_experts
-            for e in range(layer.num_experts):
-                try:
-                    qw = self._expert(stack, e)
-                except ValueError as exc:
-                    raise ValueError(f"{self.prefix}.{e} ({part}): {exc}") from None
-                for name, tensor in qw.tensors().items():
-                    stacks[name][e * rows : (e + 1) * rows].copy_(tensor)
+            stacks = self._build_stacks(
+                layer.num_experts,
+                n,
+                k,
+                self.device,
+                lambda e, s=stack, p=part: self._expert(s, e, p),
+            )
             self._register(layer, part, stacks)
         self._use(layer, kernels)
 
-    def _expert(self, stack: dict[str, torch.Tensor], e: int) -> formats.QuantWeights:
+    def _expert(self, stack: dict[str, torch.Tensor], e: int, part: str) -> formats.QuantWeights:
         """Expert e's stacked checkpoint values as the scheme's tensors."""
+        try:
+            return self._convert(stack, e)
+        except ValueError as exc:
+            raise ValueError(f"{self.prefix}.{e} ({part}): {exc}") from None
+
+    def _convert(self, stack: dict[str, torch.Tensor], e: int) -> formats.QuantWeights:
         values, scale = stack["values"][e], stack["scale"][e]
         scheme = self.spec.scheme
         if scheme == "fp8_w8a16":
