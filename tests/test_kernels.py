@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+import minivllm
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import cpu_has_avx512_bf16, get_cpu_kernels
 from minivllm.kernels.registry import select_kernels
+from tests.conftest import needs_avx2
 
 needs_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="CPU lacks AVX512-BF16")
 
@@ -271,22 +279,41 @@ def test_argmax_bf16_equals_torch_argmax_with_ties(vocab):
     assert torch.equal(got, logits.float().argmax(dim=-1))
 
 
-@needs_kernel
-def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start(tmp_path):
-    import os
-    import shutil
-    import subprocess
-    import sys
+def _avx2_build() -> Path:
+    """The AVX2 family's build directory, built (every AVX-512 CPU has AVX2 too)."""
+    from minivllm.kernels import get_avx2_kernels, kernel_build_dir
 
-    from minivllm.kernels import kernel_build_dir
+    assert get_avx2_kernels() is not None
+    return Path(kernel_build_dir()) / "avx2"
 
-    built = kernel_build_dir()
-    cache = tmp_path / ".cache" / "minivllm" / "kernels"
-    shutil.copytree(built, cache)  # up to date: no rebuild, only the lock to get past
-    (cache / "minivllm.lock").unlink(missing_ok=True)
-    (cache / "lock").touch()  # what torch's FileBaton leaves when its builder is killed
-    code = "from minivllm.kernels import get_cpu_kernels; assert get_cpu_kernels() is not None"
-    env = {**os.environ, "HOME": str(tmp_path)}
-    env.pop("XDG_CACHE_HOME", None)
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
-    assert not (cache / "lock").exists()
+
+@needs_avx2
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():
+    build = _avx2_build()
+    # what torch's FileBaton leaves when its builder is killed; the build is up to date,
+    # so the next start has only the lock to get past
+    (build / "lock").touch()
+    code = "from minivllm.kernels import get_avx2_kernels; assert get_avx2_kernels() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    assert not (build / "lock").exists()
+
+
+@needs_avx2
+def test_a_second_checkout_of_the_same_kernels_reuses_the_build(tmp_path):
+    """The sources compile from copies in the build directory (kernels/__init__.py's
+    _stage_sources), so a package at another path (a fresh clone, a reinstall) loads the
+    cached build instead of compiling for minutes."""
+    build = _avx2_build()
+    library = build / "minivllm_cpu_kernels_avx2.so"
+    before = library.stat().st_mtime_ns
+    package = Path(minivllm.__file__).parent
+    shutil.copytree(package, tmp_path / "minivllm", ignore=shutil.ignore_patterns("__pycache__"))
+    code = (
+        "import minivllm, minivllm.kernels as k; "
+        f"assert minivllm.__file__.startswith({str(tmp_path)!r}), minivllm.__file__; "
+        "assert k.get_avx2_kernels() is not None"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    # a rebuild takes minutes on 2 cores: the timeout fails it long before
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=90, cwd=tmp_path)
+    assert library.stat().st_mtime_ns == before, "the second checkout recompiled the kernels"

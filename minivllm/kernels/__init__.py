@@ -85,13 +85,13 @@ def _build_family(
     build_dir = os.path.join(kernel_build_dir(), subdir) if subdir else kernel_build_dir()
     os.makedirs(build_dir, exist_ok=True)
     here = os.path.dirname(__file__)
-    sources = [os.path.join(here, f) for f in files]
     # cpp_extension rebuilds when the sources or flags change; the headers' hash, as a
     # flag, makes an edit of kernels.h or quant_rows.h count too
     header_hash = _headers_hash(here)
     if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
         logger.info(
-            "compiling minivllm's CPU kernels into %s (first run only, about a minute)", build_dir
+            "compiling minivllm's CPU kernels into %s (first run only; minutes on 2 cores)",
+            build_dir,
         )
     # torch's build lock is a plain file: a process killed mid-build leaves it behind and
     # every later start waits on it forever. Our flock dies with its holder, and every
@@ -102,7 +102,34 @@ def _build_family(
         if os.path.exists(stale):
             logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
             os.remove(stale)
+        sources = _stage_sources(here, build_dir, files)
         return _build(name, build_dir, sources, isa_flags, header_hash)
+
+
+def _stage_sources(here: str, build_dir: str, files: tuple[str, ...]) -> list[str]:
+    """The family's sources and every kernel header, copied into `build_dir/src` where
+    their bytes differ, and the copies' paths. ninja keys its build on the sources' paths
+    and mtimes: compiled from the package directory, a second checkout or a reinstall of
+    the same kernels into another path rebuilt them (minutes); compiled from these copies,
+    unchanged kernels reuse the cached build wherever the package lives."""
+    src = os.path.join(build_dir, "src")
+    os.makedirs(src, exist_ok=True)
+    headers = sorted(f for f in os.listdir(here) if f.endswith(".h"))
+    for name in (*files, *headers):
+        with open(os.path.join(here, name), "rb") as f:
+            data = f.read()
+        target = os.path.join(src, name)
+        try:
+            with open(target, "rb") as f:
+                if f.read() == data:
+                    continue  # untouched: its mtime stays, and ninja sees nothing new
+        except FileNotFoundError:
+            pass
+        partial = f"{target}.{os.getpid()}.tmp"
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, target)
+    return [os.path.join(src, name) for name in files]
 
 
 def _headers_hash(here: str) -> str:

@@ -15,7 +15,9 @@
 // rounded before the sum, as the reference's tensor ops round it).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include "avx2_api.h"
@@ -75,10 +77,25 @@ torch::Tensor route(torch::Tensor x, const torch::Tensor& topk_weights, const to
   return out;
 }
 
+constexpr int64_t KIND_W8A16 = 1, KIND_W8A8 = 4;  // formats.KERNEL_KIND
+
+// int8_w8a8's activations, formats.quantize_per_token with the same ATen ops (so the same
+// numbers): per row xs = amax|x| / 127 (1 for a zero row), xq = clamp(round(x / xs), +-127),
+// rounded half to even, held as integer-valued float32 (what linear_quantw's int8 form
+// multiplies exactly: its int16 rounding keeps |x| <= 127 whole).
+std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(const torch::Tensor& x) {
+  const auto amax = x.abs().amax(-1);
+  const auto xs = torch::where(amax > 0, amax / 127, torch::ones_like(amax));
+  return {torch::round(x / xs.unsqueeze(1)).clamp_(-127, 127), xs};
+}
+
 }  // namespace
 
 // w13 the stacked gate/up rows [E * 2I, ...] with scale (and int4's zero), w2 the down
-// rows [E * H, ...]: linear_quantw's operands of kind `kind` and `group_size`.
+// rows [E * H, ...]: linear_quantw's operands of kind `kind` and `group_size`, or kind 4
+// (int8_w8a8: int8 rows and per-row scales; each expert's input quantized per token, the
+// integer products summed exactly in fp32 and scaled (acc * xs) * scale, as
+// quantization/method.py's _apply_fp32 does for a linear layer).
 torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
                               int64_t num_experts, int64_t kind, int64_t group_size, torch::Tensor w13,
                               torch::Tensor s13, c10::optional<torch::Tensor> z13, torch::Tensor w2,
@@ -91,6 +108,22 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
     if (!t.has_value() || !t->defined()) return c10::nullopt;
     return t->narrow(0, start, n);
   };
+  if (kind == KIND_W8A8) {
+    TORCH_CHECK(w13.scalar_type() == at::kChar && w2.scalar_type() == at::kChar, "int8_w8a8: int8 weights");
+    const auto ones = torch::ones({std::max(r13, H)}, x.options());
+    auto product = [&](const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& s) {
+      const auto [aq, as] = quantize_per_token(a);
+      const auto acc = avx2_linear_quantw(aq, KIND_W8A16, w, ones.narrow(0, 0, w.size(0)), c10::nullopt, 0,
+                                          c10::nullopt);
+      return acc.mul_(as.unsqueeze(1)).mul_(s);
+    };
+    return route(
+        x, topk_weights, topk_ids, E,
+        [&](int64_t e, const torch::Tensor& xe) {
+          return product(xe, w13.narrow(0, e * r13, r13), s13.narrow(0, e * r13, r13));
+        },
+        [&](int64_t e, const torch::Tensor& h) { return product(h, w2.narrow(0, e * H, H), s2.narrow(0, e * H, H)); });
+  }
   return route(
       x, topk_weights, topk_ids, E,
       [&](int64_t e, const torch::Tensor& xe) {

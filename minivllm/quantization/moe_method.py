@@ -166,9 +166,7 @@ class QuantizedMoEMethod:
                 method.use(view, kernels)
                 self.experts[part].append(method)
             self.stacked[part] = stacked
-        # int8_w8a8 quantizes its activations per token in Python first (method.py's
-        # _apply_fp32): it keeps the loop
-        fp32 = self.experts["w13"][0].fp32_op is not None and self.spec.scheme != "int8_w8a8"
+        fp32 = self.experts["w13"][0].fp32_op is not None
         self.moe_op = kernels.op("moe_quantw") if fp32 else None
 
     @property
