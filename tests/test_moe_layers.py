@@ -87,6 +87,28 @@ def test_compiled_routing_equals_the_reference(
     )
 
 
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_compiled_routing_ranks_nan_first_as_torch_does(renormalize) -> None:
+    """A NaN router logit (a diverged model): torch.topk ranks NaN above every number,
+    so the reference picks that expert's group and the expert itself; the op too, and
+    the token's weights are NaN where the reference's are."""
+    op = _compiled_grouped_topk()
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 16, generator=gen)
+    logits[0, 5] = logits[2, 12] = logits[2, 1] = float("nan")
+    correction = torch.randn(16, generator=gen) * 0.3
+    args = (3, 4, 2, renormalize, 1.0)
+    want_w, want_ids = grouped_topk(logits, correction, *args)
+    got_w, got_ids = op(logits, correction, *args)
+    order_w, order_got = want_ids.sort(dim=1), got_ids.sort(dim=1)
+    assert torch.equal(order_w.values, order_got.values)
+    assert {5} <= set(got_ids[0].tolist()) and {1, 12} <= set(got_ids[2].tolist())
+    torch.testing.assert_close(
+        got_w.gather(1, order_got.indices), want_w.gather(1, order_w.indices), equal_nan=True
+    )
+    assert got_w[[1, 3]].isfinite().all()
+
+
 def test_compiled_routing_refuses_bad_shapes() -> None:
     op = _compiled_grouped_topk()
     logits = torch.randn(3, 16)

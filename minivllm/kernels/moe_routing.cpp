@@ -12,13 +12,31 @@
 // unbiased affinities of the chosen experts divided by their sum plus 1e-20 and times the
 // scaling, in float32. Ties go to the lower index (the reference leaves them unspecified);
 // the chosen ids come out by descending biased affinity.
+//
+// A NaN affinity (a diverged model's router) ranks above every number, as torch.topk
+// ranks it: its group and the expert are chosen first and the token's weights come out
+// NaN, as the reference's do. The family builds with -ffast-math, under which a float
+// compare or std::isnan may assume no NaN, so NaN is found from the bits (`rank_key`).
 #include "moe_routing.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
+
+namespace {
+
+// v, or +infinity where v is NaN (exponent all ones, mantissa nonzero), read from the bits
+inline float rank_key(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & 0x7fffffffu) > 0x7f800000u ? std::numeric_limits<float>::infinity() : v;
+}
+
+}  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> moe_grouped_topk(torch::Tensor router_logits,
                                                           c10::optional<torch::Tensor> correction_bias,
@@ -56,7 +74,7 @@ std::tuple<torch::Tensor, torch::Tensor> moe_grouped_topk(torch::Tensor router_l
     candidates.reserve(E);
     for (int64_t t = begin; t < end; ++t) {
       const float* s = sp + t * E;
-      for (int64_t e = 0; e < E; ++e) choice[e] = bias ? s[e] + bias[e] : s[e];
+      for (int64_t e = 0; e < E; ++e) choice[e] = rank_key(bias ? s[e] + bias[e] : s[e]);
       // higher biased affinity first, then the lower index
       auto before = [&](int64_t a, int64_t b) { return choice[a] > choice[b] || (choice[a] == choice[b] && a < b); };
       candidates.clear();
