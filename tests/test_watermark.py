@@ -231,7 +231,7 @@ def test_unwatermarked_token_streams_give_uniform_p_values():
 @pytest.fixture(scope="module")
 def demo_texts():
     """60 demo-base completions of 160 tokens at temperature 1 for each of: key 7 single
-    key, key 7 dual key, and another key (2024)."""
+    key and key 7 dual key."""
     starts = [
         "A list comprehension",
         "The with statement",
@@ -250,7 +250,6 @@ def demo_texts():
     for name, cfg in {
         "single": {"key": 7},
         "dual": {"key": 7, "algorithm": "dual_key_gumbel"},
-        "other": {"key": 2024},
     }.items():
         llm = LLM("demo-base", dtype="float32", watermark_config=cfg, seed=3)
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -265,10 +264,14 @@ def test_watermarked_demo_base_texts_are_detected(demo_texts):
     hits_dual = [detect(t, dual).is_watermarked for t in demo_texts["dual"]]
     assert sum(hits_single) >= 0.95 * len(hits_single)
     assert sum(hits_dual) >= 0.95 * len(hits_dual)
-    # the same texts under another key, and other-key texts under this key: not detected
-    wrong = [detect(t, WatermarkConfig(key=8)) for t in demo_texts["single"]]
-    other = [detect(t, single) for t in demo_texts["other"]]
-    assert sum(r.is_watermarked for r in wrong + other) <= _binomial_upper(len(wrong + other), 0.01)
+    # the texts under keys they were not made with (single-key texts under 8 and 2024,
+    # dual-key texts under 8): not detected. (Texts made under another key and read
+    # under 7 are the same test with the keys swapped; a third engine for them cost ~12 s.)
+    wrong = [detect(t, WatermarkConfig(key=k)) for t in demo_texts["single"] for k in (8, 2024)]
+    wrong += [
+        detect(t, WatermarkConfig(key=8, algorithm="dual_key_gumbel")) for t in demo_texts["dual"]
+    ]
+    assert sum(r.is_watermarked for r in wrong) <= _binomial_upper(len(wrong), 0.01)
 
 
 # --- distribution preservation ---

@@ -4,6 +4,7 @@ The harness is tests/weight_cache_harness.py; single-rank tests are in test_weig
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -183,15 +184,32 @@ def test_two_node_daemon_groups_serve_a_two_node_engine(
     assert not os.path.exists(paths[0]) and not os.path.exists(lock_path(paths[0]))
 
 
-def test_multi_node_daemon_flags_are_checked(bf16_dir: Path, tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "minivllm.weight_cache", str(bf16_dir), "--socket-dir"]
-    base += [str(tmp_path), "-tp", "2", "--nnodes", "2"]
-    env = {k: v for k, v in os.environ.items() if k not in ("MINIVLLM_TP_SECRET", "MASTER_ADDR")}
-    env["PYTHONPATH"] = str(REPO)
+def test_multi_node_daemon_flags_are_checked(
+    bf16_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from minivllm.entrypoints import weight_cache_cli
+
+    flags = [str(bf16_dir), "--socket-dir", str(tmp_path), "-tp", "2", "--nnodes", "2"]
+    for name in ("MINIVLLM_TP_SECRET", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    # two in this process (the CLI's main; its log handler left out, so caplog sees the
+    # records), the last through the command itself: its exit status and stderr
+    monkeypatch.setattr(weight_cache_cli, "setup_logging", lambda: None)
+    monkeypatch.setattr(logging.getLogger("minivllm"), "propagate", True)
     for args, message in [
         ([], "needs the address of node 0"),
         (["--distributed-init-method", "tcp://127.0.0.1:1", "--node-rank", "2"], "not in 0 .. 1"),
-        (["--distributed-init-method", "tcp://127.0.0.1:1"], "MINIVLLM_TP_SECRET"),
     ]:
-        run = subprocess.run(base + args, env=env, capture_output=True, text=True, timeout=120)
-        assert run.returncode != 0 and message in run.stderr, run.stderr
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="minivllm"):
+            assert weight_cache_cli.main(flags + args) != 0
+        assert message in caplog.text, caplog.text
+    env = {k: v for k, v in os.environ.items() if k not in ("MINIVLLM_TP_SECRET", "MASTER_ADDR")}
+    env["PYTHONPATH"] = str(REPO)
+    command = [sys.executable, "-m", "minivllm.weight_cache", *flags]
+    command += ["--distributed-init-method", "tcp://127.0.0.1:1"]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "MINIVLLM_TP_SECRET" in run.stderr, run.stderr
