@@ -25,6 +25,7 @@ from schemathesis.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
+from schemathesis.config import SchemathesisConfig
 
 from minivllm.entrypoints.openai.errors import MAX_MESSAGE_CHARS, from_validation_error
 from minivllm.entrypoints.openai.protocol import (
@@ -76,9 +77,21 @@ def fuzz_server(
     assert "Traceback" not in server.log(), server.log()[-4000:]
 
 
+# The coverage phase (every field's boundary and wrong-type values, ~5,000 requests here)
+# runs on every route but the two render routes: they take the very request models of
+# /v1/completions and /v1/chat/completions, whose handlers validate and render a prompt
+# with the same code before generating, so their coverage cases repeated those routes'
+# (~1,300 requests, ~16 s). They keep the fuzzing phase's examples.
+CONFIG = SchemathesisConfig.from_dict(
+    {"operations": [{"include-path-regex": "/render$", "phases": {"coverage": {"enabled": False}}}]}
+)
+
+
 @pytest.fixture(scope="module")
 def api_schema(fuzz_server: RemoteServer) -> Any:
-    return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json", headers=AUTH)
+    return schemathesis.openapi.from_url(
+        fuzz_server.url + "/openapi.json", headers=AUTH, config=CONFIG
+    )
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")
