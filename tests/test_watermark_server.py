@@ -4,7 +4,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -137,7 +139,7 @@ def _cli(args: list[str], stdin: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_cli_detects_from_stdin_with_exit_status(client):
+def test_the_cli_detects_from_stdin_with_exit_status(client, monkeypatch, capsys, caplog):
     text = (
         client.completions.create(
             model="demo-base",
@@ -149,10 +151,22 @@ def test_the_cli_detects_from_stdin_with_exit_status(client):
         .choices[0]
         .text
     )
+    # the command itself once (its exit status and stdout)
     marked = _cli(["--watermark-config", CONFIG, "--tokenizer", "demo-base", "--json"], text)
     assert marked.returncode == 0, marked.stderr
     assert json.loads(marked.stdout)["is_watermarked"] is True
-    other = _cli(["--watermark-config", '{"key": 12345}', "--tokenizer", "demo-base"], text)
-    assert other.returncode == 1 and "not watermarked" in other.stdout
-    bad = _cli(["--watermark-config", '{"key": "oops"}'], text)
-    assert bad.returncode == 2 and "integer key" in bad.stderr
+    # the other outcomes through the CLI's main in this process (a command's start imports
+    # torch and transformers, ~5 s each here); its log handler left out for caplog
+    from minivllm.entrypoints import cli
+
+    monkeypatch.setattr(cli, "setup_logging", lambda: None)
+    monkeypatch.setattr(logging.getLogger("minivllm"), "propagate", True)
+    monkeypatch.setenv("WM_TEST_KEY", SECRET)
+    detect = ["watermark", "detect", "--watermark-config"]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    assert cli.main([*detect, '{"key": 12345}', "--tokenizer", "demo-base"]) == 1
+    assert "not watermarked" in capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    with caplog.at_level(logging.ERROR, logger="minivllm"):
+        assert cli.main([*detect, '{"key": "oops"}']) == 2
+    assert "integer key" in caplog.text
