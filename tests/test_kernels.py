@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -290,12 +293,37 @@ def _avx2_build() -> Path:
 @needs_avx2
 def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_start():
     build = _avx2_build()
-    # what torch's FileBaton leaves when its builder is killed; the build is up to date,
-    # so the next start has only the lock to get past
-    (build / "lock").touch()
+    # what torch's FileBaton leaves when its builder is killed, left under our build lock
+    # (a build in progress elsewhere must not meet it); the build is up to date, so the
+    # next start has only the lock to get past
+    with _build_lock(build):
+        (build / "lock").touch()
     code = "from minivllm.kernels import get_avx2_kernels; assert get_avx2_kernels() is not None"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
-    assert not (build / "lock").exists()
+    try:
+        _run_in_own_group([sys.executable, "-c", code], timeout=120)
+        assert not (build / "lock").exists()
+    finally:  # never leave the shared cache locked
+        with _build_lock(build):
+            (build / "lock").unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _build_lock(build: Path):
+    with open(build / "minivllm.lock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        yield
+
+
+def _run_in_own_group(command: list[str], timeout: float, **kwargs) -> None:
+    """Run `command`; past `timeout`, kill its whole process group (a compile it started
+    must not go on writing into the shared cache) and fail."""
+    proc = subprocess.Popen(command, start_new_session=True, **kwargs)
+    try:
+        assert proc.wait(timeout) == 0, f"{command} exited with {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
 
 
 @needs_avx2
@@ -306,6 +334,7 @@ def test_a_second_checkout_of_the_same_kernels_reuses_the_build(tmp_path):
     build = _avx2_build()
     library = build / "minivllm_cpu_kernels_avx2.so"
     before = library.stat().st_mtime_ns
+    ninja = (build / "build.ninja").read_bytes()
     package = Path(minivllm.__file__).parent
     shutil.copytree(package, tmp_path / "minivllm", ignore=shutil.ignore_patterns("__pycache__"))
     code = (
@@ -315,5 +344,6 @@ def test_a_second_checkout_of_the_same_kernels_reuses_the_build(tmp_path):
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     # a rebuild takes minutes on 2 cores: the timeout fails it long before
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=90, cwd=tmp_path)
+    _run_in_own_group([sys.executable, "-c", code], timeout=90, env=env, cwd=tmp_path)
     assert library.stat().st_mtime_ns == before, "the second checkout recompiled the kernels"
+    assert (build / "build.ninja").read_bytes() == ninja  # the same sources, by the same paths

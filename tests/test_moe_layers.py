@@ -88,7 +88,8 @@ def test_compiled_routing_equals_the_reference(
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_compiled_routing_ranks_nan_first_as_torch_does(renormalize) -> None:
+@pytest.mark.parametrize("groups, topk_group", [(4, 2), (1, 1)])
+def test_compiled_routing_ranks_nan_first_as_torch_does(renormalize, groups, topk_group) -> None:
     """A NaN router logit (a diverged model): torch.topk ranks NaN above every number,
     so the reference picks that expert's group and the expert itself; the op too, and
     the token's weights are NaN where the reference's are."""
@@ -97,7 +98,7 @@ def test_compiled_routing_ranks_nan_first_as_torch_does(renormalize) -> None:
     logits = torch.randn(4, 16, generator=gen)
     logits[0, 5] = logits[2, 12] = logits[2, 1] = float("nan")
     correction = torch.randn(16, generator=gen) * 0.3
-    args = (3, 4, 2, renormalize, 1.0)
+    args = (3, groups, topk_group, renormalize, 1.0)
     want_w, want_ids = grouped_topk(logits, correction, *args)
     got_w, got_ids = op(logits, correction, *args)
     order_w, order_got = want_ids.sort(dim=1), got_ids.sort(dim=1)
@@ -107,6 +108,14 @@ def test_compiled_routing_ranks_nan_first_as_torch_does(renormalize) -> None:
         got_w.gather(1, order_got.indices), want_w.gather(1, order_w.indices), equal_nan=True
     )
     assert got_w[[1, 3]].isfinite().all()
+    # a NaN in the bias: every token picks that expert, with its finite weight
+    correction[9] = float("nan")
+    want_w, want_ids = grouped_topk(logits[[1, 3]], correction, *args)
+    got_w, got_ids = op(logits[[1, 3]], correction, *args)
+    assert (got_ids == 9).any(dim=1).all() and torch.equal(
+        want_ids.sort(dim=1).values, got_ids.sort(dim=1).values
+    )
+    torch.testing.assert_close(got_w.sort(dim=1).values, want_w.sort(dim=1).values)
 
 
 def test_compiled_routing_refuses_bad_shapes() -> None:

@@ -88,11 +88,6 @@ def _build_family(
     # cpp_extension rebuilds when the sources or flags change; the headers' hash, as a
     # flag, makes an edit of kernels.h or quant_rows.h count too
     header_hash = _headers_hash(here)
-    if not os.path.exists(os.path.join(build_dir, f"{name}.so")):
-        logger.info(
-            "compiling minivllm's CPU kernels into %s (first run only; minutes on 2 cores)",
-            build_dir,
-        )
     # torch's build lock is a plain file: a process killed mid-build leaves it behind and
     # every later start waits on it forever. Our flock dies with its holder, and every
     # build into this directory takes it first, so a torch lock found under it is stale.
@@ -102,20 +97,32 @@ def _build_family(
         if os.path.exists(stale):
             logger.warning("removing a stale build lock left by an interrupted build: %s", stale)
             os.remove(stale)
-        sources = _stage_sources(here, build_dir, files)
+        sources, changed = _stage_sources(here, build_dir, files)
+        if changed or not os.path.exists(os.path.join(build_dir, f"{name}.so")):
+            logger.info(
+                "compiling minivllm's CPU kernels into %s (once per version; minutes on 2 cores)",
+                build_dir,
+            )
         return _build(name, build_dir, sources, isa_flags, header_hash)
 
 
-def _stage_sources(here: str, build_dir: str, files: tuple[str, ...]) -> list[str]:
+def _stage_sources(here: str, build_dir: str, files: tuple[str, ...]) -> tuple[list[str], bool]:
     """The family's sources and every kernel header, copied into `build_dir/src` where
-    their bytes differ, and the copies' paths. ninja keys its build on the sources' paths
-    and mtimes: compiled from the package directory, a second checkout or a reinstall of
-    the same kernels into another path rebuilt them (minutes); compiled from these copies,
-    unchanged kernels reuse the cached build wherever the package lives."""
+    their bytes differ (anything else there removed: a header the package dropped must
+    not keep a build working), and the copies' paths, with whether any copy changed.
+    ninja keys its build on the sources' paths and mtimes: compiled from the package
+    directory, a second checkout or a reinstall of the same kernels into another path
+    rebuilt them (minutes); compiled from these copies, unchanged kernels reuse the
+    cached build wherever the package lives. The caller holds the build directory's lock."""
     src = os.path.join(build_dir, "src")
     os.makedirs(src, exist_ok=True)
     headers = sorted(f for f in os.listdir(here) if f.endswith(".h"))
-    for name in (*files, *headers):
+    wanted = {*files, *headers}
+    for name in os.listdir(src):
+        if name not in wanted:
+            os.remove(os.path.join(src, name))
+    changed = False
+    for name in sorted(wanted):
         with open(os.path.join(here, name), "rb") as f:
             data = f.read()
         target = os.path.join(src, name)
@@ -129,7 +136,8 @@ def _stage_sources(here: str, build_dir: str, files: tuple[str, ...]) -> list[st
         with open(partial, "wb") as f:
             f.write(data)
         os.replace(partial, target)
-    return [os.path.join(src, name) for name in files]
+        changed = True
+    return [os.path.join(src, name) for name in files], changed
 
 
 def _headers_hash(here: str) -> str:

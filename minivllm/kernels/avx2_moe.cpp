@@ -86,7 +86,9 @@ constexpr int64_t KIND_W8A16 = 1, KIND_W8A8 = 4;  // formats.KERNEL_KIND
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token(const torch::Tensor& x) {
   const auto amax = x.abs().amax(-1);
   const auto xs = torch::where(amax > 0, amax / 127, torch::ones_like(amax));
-  return {torch::round(x / xs.unsqueeze(1)).clamp_(-127, 127), xs};
+  // through int8 and back, as the reference's xq.to(int8).to(float32) (the same value for
+  // finite x; a diverged model's NaN becomes what ATen's conversion makes of it there too)
+  return {torch::round(x / xs.unsqueeze(1)).clamp_(-127, 127).to(at::kChar).to(at::kFloat), xs};
 }
 
 }  // namespace

@@ -15,8 +15,10 @@
 //
 // A NaN affinity (a diverged model's router) ranks above every number, as torch.topk
 // ranks it: its group and the expert are chosen first and the token's weights come out
-// NaN, as the reference's do. The family builds with -ffast-math, under which a float
-// compare or std::isnan may assume no NaN, so NaN is found from the bits (`rank_key`).
+// NaN, as the reference's do. The family builds with -ffast-math, under which the
+// compiler may assume no NaN or infinity ever reaches a float compare or std::isnan: NaN
+// is found from the bits (`is_nan`), flagged beside the value, and the value compared
+// is a finite stand-in, so the ranking never compares a NaN (nor an infinity of ours).
 #include "moe_routing.h"
 
 #include <ATen/Parallel.h>
@@ -24,16 +26,15 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <vector>
 
 namespace {
 
-// v, or +infinity where v is NaN (exponent all ones, mantissa nonzero), read from the bits
-inline float rank_key(float v) {
+// whether v is NaN (exponent all ones, mantissa nonzero), read from the bits
+inline bool is_nan(float v) {
   uint32_t bits;
   std::memcpy(&bits, &v, sizeof bits);
-  return (bits & 0x7fffffffu) > 0x7f800000u ? std::numeric_limits<float>::infinity() : v;
+  return (bits & 0x7fffffffu) > 0x7f800000u;
 }
 
 }  // namespace
@@ -70,13 +71,21 @@ std::tuple<torch::Tensor, torch::Tensor> moe_grouped_topk(torch::Tensor router_l
 
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> choice(E), group_score(num_groups);
+    std::vector<uint8_t> nan(E), group_nan(num_groups);
     std::vector<int64_t> groups(num_groups), candidates;
     candidates.reserve(E);
     for (int64_t t = begin; t < end; ++t) {
       const float* s = sp + t * E;
-      for (int64_t e = 0; e < E; ++e) choice[e] = rank_key(bias ? s[e] + bias[e] : s[e]);
-      // higher biased affinity first, then the lower index
-      auto before = [&](int64_t a, int64_t b) { return choice[a] > choice[b] || (choice[a] == choice[b] && a < b); };
+      for (int64_t e = 0; e < E; ++e) {
+        const float v = bias ? s[e] + bias[e] : s[e];
+        nan[e] = is_nan(v);
+        choice[e] = nan[e] ? 0.f : v;
+      }
+      // NaN first, then the higher biased affinity, then the lower index
+      auto before = [&](int64_t a, int64_t b) {
+        if (nan[a] != nan[b]) return nan[a] > nan[b];
+        return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+      };
       candidates.clear();
       if (num_groups > 1 && topk_group < num_groups) {
         for (int64_t g = 0; g < num_groups; ++g) {
@@ -91,9 +100,13 @@ std::tuple<torch::Tensor, torch::Tensor> moe_grouped_topk(torch::Tensor router_l
             }
           }
           group_score[g] = best + second;
+          group_nan[g] = std::any_of(nan.begin() + g * per_group, nan.begin() + (g + 1) * per_group,
+                                     [](uint8_t f) { return f != 0; });
           groups[g] = g;
         }
+        // a group holding a NaN scores NaN in the reference, which its top-k ranks first
         std::partial_sort(groups.begin(), groups.begin() + topk_group, groups.end(), [&](int64_t a, int64_t b) {
+          if (group_nan[a] != group_nan[b]) return group_nan[a] > group_nan[b];
           return group_score[a] > group_score[b] || (group_score[a] == group_score[b] && a < b);
         });
         std::sort(groups.begin(), groups.begin() + topk_group);

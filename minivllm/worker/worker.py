@@ -170,7 +170,10 @@ def run_worker(conn: Connection) -> int:
     # formed. Importing transformers' config classes first (~2 s on a Zen 1 core) lets the
     # ranks do it side by side; before, the other ranks' import began only after rank 0's
     # was done, and a TP=2 engine took ~1.8 s longer to start on 2 cores.
-    import transformers.models.auto.configuration_auto  # noqa: F401
+    try:
+        import transformers.models.auto.configuration_auto  # noqa: F401
+    except ImportError:
+        pass  # then unpickling the config below fails, and says why
 
     spec, config = conn.recv()
     _setup_logging(spec)
