@@ -81,7 +81,9 @@ OTHER_TEMPLATE = (
 )
 
 
-def tiny_server_args(*extra: str, kv_cache: str = "4MiB") -> list[str]:
+def tiny_server_args(
+    *extra: str, kv_cache: str = "4MiB", max_model_len: int = MAX_MODEL_LEN
+) -> list[str]:
     """`minivllm serve` flags for the tiny test checkpoint, then `extra`."""
     return [
         "--served-model-name",
@@ -89,7 +91,7 @@ def tiny_server_args(*extra: str, kv_cache: str = "4MiB") -> list[str]:
         "--dtype",
         "float32",
         "--max-model-len",
-        str(MAX_MODEL_LEN),
+        str(max_model_len),
         "--kv-cache-memory-bytes",
         kv_cache,
         *extra,

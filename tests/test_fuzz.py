@@ -65,7 +65,7 @@ def fuzz_server(
         # and at 256 the ~90 chat requests that get a 200 took 36 of the test's ~100 s
         tiny_server_args(
             *("--api-key", API_KEY, "--enable-scale-out", "--max-tokens-per-request", "2048"),
-            *("--max-model-len", "96"),
+            max_model_len=96,
         ),
         log,
     )
