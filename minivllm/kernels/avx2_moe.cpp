@@ -77,7 +77,7 @@ torch::Tensor route(torch::Tensor x, const torch::Tensor& topk_weights, const to
   return out;
 }
 
-constexpr int64_t KIND_W8A16 = 1, KIND_W8A8 = 4;  // formats.KERNEL_KIND
+constexpr int64_t KIND_W8A8 = 4;  // formats.KERNEL_KIND
 
 // int8_w8a8's activations, formats.quantize_per_token with the same ATen ops (so the same
 // numbers): per row xs = amax|x| / 127 (1 for a zero row), xq = clamp(round(x / xs), +-127),
@@ -115,8 +115,7 @@ torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch
     const auto ones = torch::ones({std::max(r13, H)}, x.options());
     auto product = [&](const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& s) {
       const auto [aq, as] = quantize_per_token(a);
-      const auto acc = avx2_linear_quantw(aq, KIND_W8A16, w, ones.narrow(0, 0, w.size(0)), c10::nullopt, 0,
-                                          c10::nullopt);
+      const auto acc = avx2_linear_int8w(aq, w, ones.narrow(0, 0, w.size(0)), c10::nullopt);
       return acc.mul_(as.unsqueeze(1)).mul_(s);
     };
     return route(
