@@ -127,7 +127,10 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
   TORCH_CHECK(static_cast<int64_t>(quant_kinds.size()) == L * 4, "quant_kinds: one per linear");
   TORCH_CHECK(static_cast<int64_t>(quant.size()) == L * 16, "quant: scale, zero, wsum, packed per linear");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "one window per layer");
-  TORCH_CHECK(max_quant_rows.size() == 5, "max_quant_rows: one per quant kind, 0-4");
+  // one per formats.KERNEL_KIND (kinds past 4 are the AVX2 family's, never a layer's here)
+  TORCH_CHECK(max_quant_rows.size() >= 5, "max_quant_rows: one per quant kind, at least 0-4");
+  for (int64_t kind : quant_kinds)
+    TORCH_CHECK(kind >= 0 && kind <= 4, "quant_kinds: 0 (bf16) to 4 (int8_w8a8), got ", kind);
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "hidden: bf16 [B, H]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
   const int64_t B = hidden.size(0), D = head_dim;
