@@ -28,7 +28,7 @@ from minivllm.quantization.method import QuantizedLinearMethod
 from minivllm.quantization.moe_method import QuantizedMoEMethod
 from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match, needs_avx2
 from tests.test_deepseek_v32 import _prompts, build_dsa_checkpoint
-from tests.test_quantization import _hf_names
+from tests.test_quantization import _hf_names, needs_kernels
 
 ENGINE = dict(dtype="float32", max_model_len=256, kv_cache_memory_bytes=8 << 20)
 # hidden 64, expert intermediate 32: int4 groups of 32 divide every input
@@ -388,3 +388,39 @@ def test_one_call_per_layer_equals_the_routing_loop(scheme, group, symmetric) ->
             x, weights, torch.tensor([[0, num_experts]]), num_experts, a.kind, a.group_size,
             a.weight, a.scale, a.zero, b.weight, b.scale, b.zero,
         )  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("scheme", "options"),
+    [("int8_w8a16", {}), ("fp8_w8a16", {}), ("int4_w4a16", GROUPS), ("int8_w8a8", {})],
+)
+def test_bf16_expert_kernels_agree_with_the_reference_backend(moe_dir, scheme, options) -> None:
+    """A bf16 engine's quantized experts on the bf16 kernels (quant_linear, expert by
+    expert in the routing loop) against the plain-PyTorch reference: both round each
+    product's float32 sums once to bf16, so prompt logprobs differ by bf16 rounding
+    propagated through this model's 3 layers only (the dense test's bound)."""
+    config = {"targets": {EXPERTS_ONLY: {"scheme": scheme, **options}}}
+    runs = {}
+    for backend in ("cpu_kernel", "torch"):
+        llm = LLM(
+            str(moe_dir),
+            **dict(ENGINE, dtype="bfloat16"),
+            quantization="online",
+            quantization_config=config,
+            kernel_config={"linear_backend_per_quant": {scheme: backend}},
+        )
+        method = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts.quant_method
+        assert method.op_name.startswith("torch") == (backend == "torch"), method.op_name
+        runs[backend] = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False
+        )
+        llm.llm_engine.shutdown()
+    for kernel, reference in zip(runs["cpu_kernel"], runs["torch"], strict=True):
+        for pos in range(1, len(kernel.prompt_token_ids)):
+            token = kernel.prompt_token_ids[pos]
+            diff = (
+                kernel.prompt_logprobs[pos][token].logprob
+                - reference.prompt_logprobs[pos][token].logprob
+            )
+            assert abs(diff) < 0.05, (pos, diff)
