@@ -1,10 +1,14 @@
 """Batch-1 decode with a MoE model's quantized routed experts run in one call per layer
-(`kernels/avx2_moe.cpp`'s moe_quantw, fp32 engines on the AVX2 family) against the
-Python routing loop (an op per expert), switched within one loaded engine so both see
-the same weights, in interleaved rounds. Prints tok/s per round and the ratio.
+(fp32 engines on the AVX2 family: `kernels/avx2_moe.cpp`'s moe_quantw; bf16 engines on
+AVX512-BF16: `kernels/moe_quant.cpp`'s moe_quant_experts) against the Python routing
+loop (an op per expert), switched within one loaded engine so both see the same weights,
+in interleaved rounds. Prints tok/s per round and the ratio; `--bf16-experts` adds the
+same engine's model with unquantized bf16 experts (a second engine, run after).
 
     python benchmarks/hisparse.py --make-model /tmp/dsv32-400m   # the 400M model, once
     python benchmarks/moe_one_call.py --model /tmp/dsv32-400m --scheme int8_w8a8
+    python benchmarks/moe_one_call.py --model /tmp/dsv32-400m --dtype bfloat16 \
+        --scheme int8_w8a16 --bf16-experts
 
 Greedy tokens agree for the weight-only schemes. Schemes that quantize activations
 (int8_w8a8, int4_w4a8) may part after a few tokens on a random model: the SiLU's last
@@ -32,9 +36,14 @@ def main() -> None:
     parser.add_argument("--scheme", default="int8_w8a8", help="the routed experts' scheme")
     parser.add_argument("--tokens", type=int, default=64, help="decode tokens per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto, bfloat16, ...)")
+    parser.add_argument(
+        "--bf16-experts", action="store_true", help="also time the model's unquantized experts"
+    )
     args = parser.parse_args()
     llm = LLM(
         args.model,
+        dtype=args.dtype,
         max_model_len=512,
         quantization="online",
         quantization_config={"targets": {"re:.*mlp\\.experts$": args.scheme}},
@@ -44,9 +53,13 @@ def main() -> None:
         for m in llm.llm_engine.executor.runner.model.modules()
         if isinstance(getattr(m, "quant_method", None), QuantizedMoEMethod)
     ]
-    ops = [m.moe_op for m in methods]
+    attr = "moe_op" if methods and methods[0].moe_op is not None else "bf16_moe_op"
+    ops = [getattr(m, attr) for m in methods]
     if not methods or any(op is None for op in ops):
-        raise SystemExit("no one-call experts here: needs an fp32 engine on the AVX2 kernels")
+        raise SystemExit(
+            "no one-call experts here: needs an fp32 engine on the AVX2 kernels or a bf16 "
+            "engine on the AVX512-BF16 ones"
+        )
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(100, 116))}]
     llm.generate(prompt, params, use_tqdm=False)  # warm-up
@@ -56,7 +69,7 @@ def main() -> None:
     for round_ in tqdm(range(args.rounds), desc="rounds"):
         for name in ("loop", "one call"):
             for method, op in zip(methods, ops):
-                method.moe_op = op if name == "one call" else None
+                setattr(method, attr, op if name == "one call" else None)
             start = time.perf_counter()
             out = llm.generate(prompt, params, use_tqdm=False)
             rates[name].append(args.tokens / (time.perf_counter() - start))
@@ -67,6 +80,21 @@ def main() -> None:
     one, loop = statistics.median(rates["one call"]), statistics.median(rates["loop"])
     print(f"median: one call {one:.2f} tok/s, loop {loop:.2f} tok/s, {one / loop:.3f}x")
     llm.llm_engine.shutdown()
+    if args.bf16_experts:
+        del llm
+        plain = LLM(args.model, dtype=args.dtype, max_model_len=512)
+        plain.generate(prompt, params, use_tqdm=False)  # warm-up
+        bf16 = []
+        for _ in tqdm(range(args.rounds), desc="unquantized experts"):
+            start = time.perf_counter()
+            plain.generate(prompt, params, use_tqdm=False)
+            bf16.append(args.tokens / (time.perf_counter() - start))
+        base = statistics.median(bf16)
+        print(
+            f"unquantized experts {base:.2f} tok/s: one call {one / base:.3f}x, "
+            f"loop {loop / base:.3f}x of it"
+        )
+        plain.llm_engine.shutdown()
 
 
 if __name__ == "__main__":

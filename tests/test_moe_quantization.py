@@ -424,3 +424,61 @@ def test_bf16_expert_kernels_agree_with_the_reference_backend(moe_dir, scheme, o
                 - reference.prompt_logprobs[pos][token].logprob
             )
             assert abs(diff) < 0.05, (pos, diff)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    ("scheme", "options"),
+    [("int8_w8a16", {}), ("fp8_w8a16", {}), ("int4_w4a16", GROUPS), ("int8_w8a8", {})],
+)
+def test_bf16_one_call_equals_the_routing_loop_bit_for_bit(moe_dir, scheme, options) -> None:
+    """A bf16 engine runs a layer's quantized experts in one call (moe_quant.cpp) that
+    does what the Python routing loop does with quant_linear per expert, with the same
+    ATen SiLU and roundings: equal bits, on batches that leave experts idle, give two
+    experts every token, and a single token; past the kernels' rows the loop serves."""
+    config = {"targets": {EXPERTS_ONLY: {"scheme": scheme, **options}}}
+    llm = LLM(
+        str(moe_dir), **dict(ENGINE, dtype="bfloat16"), quantization="online",
+        quantization_config=config,
+    )  # fmt: skip
+    layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts
+    method = layer.quant_method
+    assert method.bf16_moe_op is not None and "moe_quant_experts" in method.op_name
+    one_call = method.bf16_moe_op
+    num_experts, hidden = layer.num_experts, method.stacked["w2"].out_features // layer.num_experts
+    gen = torch.Generator().manual_seed(0)
+    for tokens, ids in [
+        (7, torch.stack([torch.randperm(num_experts, generator=gen)[:2] for _ in range(7)])),
+        (3, torch.tensor([[4, 1]] * 3)),  # experts 1 and 4 take every token, the rest none
+        (1, torch.tensor([[5, 0]])),
+    ]:
+        x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+        weights = torch.rand(tokens, 2, generator=gen)
+        got = method.apply(layer, x, weights, ids)
+        method.bf16_moe_op = None  # the Python loop, an op per expert
+        try:
+            want = method.apply(layer, x, weights, ids)
+        finally:
+            method.bf16_moe_op = one_call
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (tokens, (got - want).abs().max())
+    with pytest.raises(RuntimeError, match="picks expert 3 twice"):
+        method.apply(layer, x, weights, torch.tensor([[3, 3]]))
+    with pytest.raises(RuntimeError, match="out of"):
+        method.apply(layer, x, weights, torch.tensor([[0, num_experts]]))
+    # past the kernels' rows: int8_w8a8's one call runs each expert's prepacked copy, as
+    # the loop does; the weight-only schemes leave the step to the loop (dequantize + GEMM)
+    rows = method.kernel_rows + 1
+    assert bool(method.packed["w13"]) == (scheme == "int8_w8a8")
+    x = torch.randn(rows, hidden, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(num_experts, generator=gen)[:2] for _ in range(rows)])
+    weights = torch.rand(rows, 2, generator=gen)
+    calls = []
+    method.bf16_moe_op = lambda *args: calls.append(args) or one_call(*args)
+    try:
+        got = method.apply(layer, x, weights, ids)
+        method.bf16_moe_op = None
+        want = method.apply(layer, x, weights, ids)
+    finally:
+        method.bf16_moe_op = one_call
+    assert len(calls) == (scheme == "int8_w8a8") and torch.equal(got, want)
+    llm.llm_engine.shutdown()

@@ -73,6 +73,7 @@ def get_cpu_kernels() -> ModuleType | None:
             "amx_w8a8.cpp",
             "dsa.cpp",
             "moe.cpp",
+            "moe_quant.cpp",
             "moe_routing.cpp",
         ),
         _AVX512_BF16_FLAGS,

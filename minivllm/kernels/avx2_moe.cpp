@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "avx2_api.h"
+#include "moe_routing.h"
 
 namespace {
 
@@ -30,27 +31,13 @@ namespace {
 template <class Up, class Down>
 torch::Tensor route(torch::Tensor x, const torch::Tensor& topk_weights, const torch::Tensor& topk_ids,
                     int64_t E, Up&& up, Down&& down) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x: float32 [T, H]");
-  TORCH_CHECK(x.is_cpu() && topk_ids.is_cpu() && topk_weights.is_cpu(), "CPU tensors only");
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == x.size(0), "topk_ids: [T, k]");
-  TORCH_CHECK(!at::isFloatingType(topk_ids.scalar_type()) && topk_ids.scalar_type() != at::kBool,
-              "topk_ids: integers");
-  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights: [T, k] like topk_ids");
-  const int64_t T = x.size(0), H = x.size(1), top = topk_ids.size(1);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_cpu(), "x: float32 [T, H] on the CPU");
+  const int64_t T = x.size(0), H = x.size(1);
   x = x.contiguous();
-  const auto ids = topk_ids.to(at::kLong).contiguous();
-  const auto wts = topk_weights.to(at::kFloat).contiguous();
-  const int64_t* ip = ids.data_ptr<int64_t>();
-  const float* wp = wts.data_ptr<float>();
-  std::vector<std::vector<int64_t>> tokens(E), picks(E);  // per expert: rows of x, and of ids
-  for (int64_t i = 0; i < T * top; ++i) {
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "expert id ", ip[i], " out of [0, ", E, ")");
-    // a router picks an expert at most once per token (the n == T shortcut below needs it)
-    TORCH_CHECK(tokens[ip[i]].empty() || tokens[ip[i]].back() != i / top, "token ", i / top,
-                " picks expert ", ip[i], " twice");
-    tokens[ip[i]].push_back(i / top);
-    picks[ip[i]].push_back(i);
-  }
+  const ExpertTokens routes = tokens_by_expert(topk_weights, topk_ids, T, E);
+  const auto& tokens = routes.tokens;
+  const auto& picks = routes.picks;
+  const float* wp = routes.weights.data_ptr<float>();
   auto out = torch::zeros_like(x);
   float* op = out.data_ptr<float>();
   for (int64_t e = 0; e < E; ++e) {
@@ -58,7 +45,7 @@ torch::Tensor route(torch::Tensor x, const torch::Tensor& topk_weights, const to
     if (n == 0) continue;
     torch::Tensor xe = x;
     if (n != T) {
-      const auto index = torch::from_blob(tokens[e].data(), {n}, torch::dtype(at::kLong));
+      const auto index = torch::from_blob(const_cast<int64_t*>(tokens[e].data()), {n}, torch::dtype(at::kLong));
       xe = x.index_select(0, index);
     }
     const torch::Tensor y = down(e, avx2_silu_and_mul(up(e, xe))).contiguous();

@@ -166,6 +166,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "DSA lightning indexer: each query row's top-k tokens, ascending, -1-padded", nogil);
   m.def("sparse_mla_decode", &sparse_mla_decode, "absorbed-MLA decode over selected latent rows", nogil);
   m.def("moe_experts", &moe_experts, "routed MoE experts for a few tokens, grouped by expert", nogil);
+  m.def("moe_quant_experts", &moe_quant_experts,
+        "a MoE layer's quantized routed experts in one call (quant_linear per chosen expert)", nogil);
   m.def("paged_attention_decode", &paged_attention_decode, "bf16 paged decode attention", nogil);
   m.def("moe_grouped_topk", &moe_grouped_topk, "DeepSeek's group-limited top-k routing: (weights, ids)", nogil);
 }

@@ -150,6 +150,13 @@ torch::Tensor sparse_mla_decode(torch::Tensor q_abs, torch::Tensor latent, torch
                                 double scale);
 torch::Tensor moe_experts(torch::Tensor x, torch::Tensor w13, torch::Tensor w2, torch::Tensor weights,
                           torch::Tensor ids);
+torch::Tensor moe_quant_experts(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
+                                int64_t num_experts, int64_t kind, int64_t group_size, torch::Tensor w13,
+                                torch::Tensor s13, c10::optional<torch::Tensor> z13,
+                                c10::optional<torch::Tensor> ws13, torch::Tensor w2, torch::Tensor s2,
+                                c10::optional<torch::Tensor> z2, c10::optional<torch::Tensor> ws2,
+                                std::vector<torch::Tensor> packed13, std::vector<torch::Tensor> packed2,
+                                int64_t max_kernel_rows);
 torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor> weights,
                                   std::vector<torch::Tensor> packed, int64_t max_kernel_rows,
                                   std::vector<int64_t> quant_kinds, std::vector<torch::Tensor> quant,

@@ -130,3 +130,26 @@ std::tuple<torch::Tensor, torch::Tensor> moe_grouped_topk(torch::Tensor router_l
   });
   return {weights, ids};
 }
+
+ExpertTokens tokens_by_expert(const torch::Tensor& topk_weights, const torch::Tensor& topk_ids, int64_t T,
+                              int64_t E) {
+  TORCH_CHECK(topk_ids.is_cpu() && topk_weights.is_cpu(), "CPU tensors only");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T, "topk_ids: [T, k]");
+  TORCH_CHECK(!at::isFloatingType(topk_ids.scalar_type()) && topk_ids.scalar_type() != at::kBool,
+              "topk_ids: integers");
+  TORCH_CHECK(topk_weights.sizes() == topk_ids.sizes(), "topk_weights: [T, k] like topk_ids");
+  const int64_t top = topk_ids.size(1);
+  const auto ids = topk_ids.to(at::kLong).contiguous();
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  ExpertTokens out{std::vector<std::vector<int64_t>>(E), std::vector<std::vector<int64_t>>(E),
+                   topk_weights.to(at::kFloat).contiguous()};
+  for (int64_t i = 0; i < T * top; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < E, "expert id ", ip[i], " out of [0, ", E, ")");
+    // a router picks an expert at most once per token (the callers' n == T shortcut needs it)
+    TORCH_CHECK(out.tokens[ip[i]].empty() || out.tokens[ip[i]].back() != i / top, "token ", i / top,
+                " picks expert ", ip[i], " twice");
+    out.tokens[ip[i]].push_back(i / top);
+    out.picks[ip[i]].push_back(i);
+  }
+  return out;
+}

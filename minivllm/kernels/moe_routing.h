@@ -1,9 +1,11 @@
-// moe_routing.cpp's op, compiled into both CPU families (no intrinsics) and bound by each.
+// moe_routing.cpp's op, compiled into both CPU families (no intrinsics) and bound by each,
+// and the step's tokens grouped by expert for both families' one-call expert ops.
 #pragma once
 
 #include <torch/extension.h>
 
 #include <tuple>
+#include <vector>
 
 // (weights [T, top_k] float32, ids [T, top_k] int64) from float32 router logits [T, E]:
 // layers/moe.grouped_topk's numbers.
@@ -11,3 +13,14 @@ std::tuple<torch::Tensor, torch::Tensor> moe_grouped_topk(torch::Tensor router_l
                                                           c10::optional<torch::Tensor> correction_bias,
                                                           int64_t top_k, int64_t num_groups, int64_t topk_group,
                                                           bool renormalize, double scaling);
+
+// A step's routing grouped by expert (avx2_moe.cpp, moe_quant.cpp): tokens[e] the rows of x
+// expert e serves, ascending, picks[e] their flat indices into `weights` [T, k] (float32,
+// contiguous). Checks topk_ids [T, k] (integers in [0, E), an expert at most once a token)
+// and topk_weights (the same shape).
+struct ExpertTokens {
+  std::vector<std::vector<int64_t>> tokens, picks;
+  torch::Tensor weights;
+};
+ExpertTokens tokens_by_expert(const torch::Tensor& topk_weights, const torch::Tensor& topk_ids, int64_t T,
+                              int64_t E);

@@ -84,6 +84,7 @@ register_family(
             "dsa_indexer_topk",
             "sparse_mla_decode",
             "moe_experts",
+            "moe_quant_experts",
             "moe_grouped_topk",
         )
     },

@@ -15,7 +15,11 @@ contiguous, which the linear ops take as they take a layer's own tensors.
 Compute. `layers/moe.routed_experts`' loop, each expert's two products by a
 `QuantizedLinearMethod` holding that expert's views: the same op choice (our AVX2 or
 bf16 kernel, or the plain-PyTorch reference), `linear_backend_per_quant` and the log as
-the linear layers. A token batch reads each chosen expert's rows once.
+the linear layers. A token batch reads each chosen expert's rows once. Where the kernels
+run, the same loop runs in one compiled call per layer on the stacks: `moe_quantw` in
+fp32 engines (AVX2), `moe_quant_experts` in bf16 engines (AVX512-BF16), the latter bit
+for bit the loop's numbers (the Python loop's per-expert indexing and scattering cost
+more than the int8 and int4 products saved at decode).
 """
 
 from __future__ import annotations
@@ -51,9 +55,16 @@ class QuantizedMoEMethod:
         self.dtype = torch.get_default_dtype()  # the model's
         self.prefix = "routed experts"  # the layer's module name, for errors (apply.py sets it)
         self.experts: dict[str, list[QuantizedLinearMethod]] = {p: [] for p in PARTS}
-        # fp32 engines on the AVX2 family: the whole layer in one call (avx2_moe.cpp) on
-        # the stacks; None: the routing loop in Python, an op per expert
+        # the whole layer in one call on the stacks: fp32 engines on the AVX2 family
+        # (avx2_moe.cpp's moe_quantw), bf16 engines on the AVX512-BF16 one
+        # (moe_quant.cpp's moe_quant_experts: int8_w8a8 at any step, with each expert's
+        # prepacked copy past `kernel_rows`; the weight-only schemes at steps of up to
+        # `kernel_rows` tokens, past which an expert dequantizes for oneDNN, as the loop
+        # keeps doing); None: the routing loop in Python, an op per expert
         self.moe_op = None
+        self.bf16_moe_op = None
+        self.kernel_rows = 0
+        self.packed: dict[str, list[torch.Tensor]] = {p: [] for p in PARTS}
         self.stacked: dict[str, formats.QuantWeights] = {}
 
     @property
@@ -166,13 +177,24 @@ class QuantizedMoEMethod:
                 method.use(view, kernels)
                 self.experts[part].append(method)
             self.stacked[part] = stacked
-        fp32 = self.experts["w13"][0].fp32_op is not None
-        self.moe_op = kernels.op("moe_quantw") if fp32 else None
+        first = self.experts["w13"][0]
+        self.moe_op = kernels.op("moe_quantw") if first.fp32_op is not None else None
+        bf16 = first.op is not None  # each expert's product runs the bf16 quant_linear
+        self.bf16_moe_op = kernels.op("moe_quant_experts") if bf16 else None
+        self.kernel_rows = first.kernel_rows  # the scheme's, the same for every expert
+        for part in PARTS:
+            self.packed[part] = [
+                m.quant_weights.packed
+                for m in self.experts[part]
+                if bf16 and m.quant_weights.packed is not None
+            ]
 
     @property
     def op_name(self) -> str:
         if self.moe_op is not None:
             return "cpu_kernel (the AVX2 family's moe_quantw, float32 activations)"
+        if self.bf16_moe_op is not None:
+            return "cpu_kernel (moe_quant_experts, bfloat16 activations)"
         return self.experts["w13"][0].op_name if self.experts["w13"] else "not processed"
 
     @property
@@ -192,6 +214,17 @@ class QuantizedMoEMethod:
             return self.moe_op(
                 x, weights, ids, layer.num_experts, a.kind, a.group_size,
                 a.weight, a.scale, a.zero, b.weight, b.scale, b.zero,
+            )  # fmt: skip
+        if (
+            self.bf16_moe_op is not None
+            and x.dtype == torch.bfloat16
+            and (x.shape[0] <= self.kernel_rows or self.packed["w13"])
+        ):
+            a, b = self.stacked["w13"], self.stacked["w2"]
+            return self.bf16_moe_op(
+                x, weights, ids, layer.num_experts, a.kind, a.group_size,
+                a.weight, a.scale, a.zero, a.wsum, b.weight, b.scale, b.zero, b.wsum,
+                self.packed["w13"], self.packed["w2"], self.kernel_rows,
             )  # fmt: skip
         w13, w2 = self.experts["w13"], self.experts["w2"]
         return routed_experts(
