@@ -20,7 +20,12 @@ import torch
 from safetensors.torch import save_file
 
 from minivllm import LLM, SamplingParams
-from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match
+from minivllm.quantization.formats import kernel_supports
+from tests.conftest import (
+    QUANTIZED_FP32_TOL,
+    assert_logprobs_match,
+    assert_prompt_logprobs_close,
+)
 
 KEEP = ["model.layers.1.self_attn"]  # modules_to_not_convert: substrings of module names
 PROMPTS = [[random.Random(i).randrange(3, 400) for _ in range(7 + 6 * i)] for i in range(2)]
@@ -293,3 +298,30 @@ def test_quantized_routed_experts_are_refused(tmp_path):
     save_file(tensors, str(weights), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="quantized routed experts"):
         LLM(str(tmp_path / "ckpt"), dtype="float32", max_model_len=64)
+
+
+@pytest.mark.skipif(not kernel_supports("fp8_w8a16"), reason="CPU lacks AVX512-BF16")
+def test_block_scaled_fp8_on_the_bf16_kernels(make_checkpoint, tmp_path):
+    """In a bf16 engine, blocks of 64 k run on the bf16 kernel (quant_linear's grouped
+    fp8); its logprobs stay within bf16 rounding of the plain-PyTorch reference's (the
+    dense test's bound, test_quantization.py)."""
+    out = tmp_path / "fp8"
+    write_hf_fp8(make_checkpoint("Qwen3ForCausalLM"), out, (64, 64))
+    runs = {}
+    for backend in ("cpu_kernel", "torch"):
+        llm = LLM(
+            str(out),
+            dtype="bfloat16",
+            kv_cache_memory_bytes=4 << 20,
+            max_model_len=128,
+            kernel_config={"linear_backend_per_quant": {"fp8_w8a16": backend}},
+        )
+        method = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj.quant_method
+        assert method.quant_weights.group_size == 64
+        kernel = (
+            "torch" if backend == "torch" else "cpu_kernel (quant_linear, bfloat16 activations)"
+        )
+        assert method.op_name.startswith(kernel), method.op_name
+        runs[backend] = _generate(llm)
+        llm.llm_engine.shutdown()
+    assert_prompt_logprobs_close(runs["cpu_kernel"], runs["torch"])

@@ -26,7 +26,12 @@ from minivllm.kernels.isa import cpu_flags
 from minivllm.quantization import formats
 from minivllm.quantization.method import QuantizedLinearMethod
 from minivllm.quantization.moe_method import QuantizedMoEMethod
-from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match, needs_avx2
+from tests.conftest import (
+    QUANTIZED_FP32_TOL,
+    assert_logprobs_match,
+    assert_prompt_logprobs_close,
+    needs_avx2,
+)
 from tests.test_deepseek_v32 import _prompts, build_dsa_checkpoint
 from tests.test_quantization import _hf_names, needs_kernels
 
@@ -416,14 +421,7 @@ def test_bf16_expert_kernels_agree_with_the_reference_backend(moe_dir, scheme, o
             [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False
         )
         llm.llm_engine.shutdown()
-    for kernel, reference in zip(runs["cpu_kernel"], runs["torch"], strict=True):
-        for pos in range(1, len(kernel.prompt_token_ids)):
-            token = kernel.prompt_token_ids[pos]
-            diff = (
-                kernel.prompt_logprobs[pos][token].logprob
-                - reference.prompt_logprobs[pos][token].logprob
-            )
-            assert abs(diff) < 0.05, (pos, diff)
+    assert_prompt_logprobs_close(runs["cpu_kernel"], runs["torch"])
 
 
 @needs_kernels
@@ -460,7 +458,10 @@ def test_bf16_one_call_equals_the_routing_loop_bit_for_bit(moe_dir, scheme, opti
             want = method.apply(layer, x, weights, ids)
         finally:
             method.bf16_moe_op = one_call
-        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (tokens, (got - want).abs().max())
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want), (
+            tokens,
+            (got - want).abs().max(),
+        )
     with pytest.raises(RuntimeError, match="picks expert 3 twice"):
         method.apply(layer, x, weights, torch.tensor([[3, 3]]))
     with pytest.raises(RuntimeError, match="out of"):

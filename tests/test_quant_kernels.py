@@ -29,6 +29,7 @@ import torch
 from minivllm.kernels import get_cpu_kernels
 from minivllm.layers.linear_method import LinearMethodBase
 from minivllm.quantization.formats import (
+    FP8_MAX,
     KIND_INT4_W4A16,
     SCHEMES,
     QuantWeights,
@@ -155,9 +156,19 @@ def assert_matches_reference(got, x, qw, bias):
     assert err.mean() <= 2**-10 * ref.abs().mean()
 
 
+def _block_fp8(w: torch.Tensor, group: int) -> QuantWeights:
+    """fp8 with a scale per row and group of k, as block-scaled checkpoints load."""
+    scale = w.unflatten(-1, (-1, group)).abs().amax(-1) / FP8_MAX
+    q = (w / scale.repeat_interleave(group, -1)).to(torch.float8_e4m3fn)
+    return from_fp8_values(q, scale, group)
+
+
 def _check_format(scheme, symmetric, group, n, k):
+    _check_weights(_quantize(scheme, symmetric, group, _weights(n, k, n * k + group)), n, k)
+
+
+def _check_weights(qw: QuantWeights, n: int, k: int) -> None:
     kernels = get_cpu_kernels()
-    qw = _quantize(scheme, symmetric, group, _weights(n, k, n * k + group))
     gen = torch.Generator().manual_seed(k)
     bias = torch.randn(n, generator=gen).bfloat16()
     for rows in ROWS:
@@ -189,6 +200,41 @@ def test_weight_only_kernels_match_the_reference(scheme, symmetric, group, n, k)
 def test_int4_groups_that_straddle_units(group, k):
     # the kernel runs 128 k at a time: these groups start and end inside a unit
     _check_format("int4_w4a16", False, group, 21, k)
+
+
+@needs_bf16
+@pytest.mark.parametrize(
+    "group,n,k", [(64, 37, 256), (128, 13, 384), (192, 50, 384), (128, 64, 1024)]
+)
+def test_block_scaled_fp8_kernel_matches_the_reference(group, n, k):
+    """fp8 with a scale per row and group of k (DeepSeek's and Qwen's fp8 releases), on the
+    bf16 kernel: each group's partial sums scaled, in registers and through the scratch."""
+    qw = _block_fp8(
+        _weights(n, k, n + k) * torch.rand(n, k // group).repeat_interleave(group, 1), group
+    )
+    _check_weights(qw, n, k)
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    get_cpu_kernels().dequantize_bf16(qw.kind, qw.weight, qw.scale, None, group, out)
+    assert torch.equal(out, dequantize(qw).to(torch.bfloat16))
+
+
+@needs_bf16
+def test_block_fp8_groups_the_kernel_does_not_take():
+    """Groups of 32 k (half the kernel's unit) are refused by the op and left to the AVX2
+    family's op by the method (kernel_supports_shape says no)."""
+    qw = _block_fp8(_weights(8, 128, 3), 32)
+    assert not kernel_supports_shape("fp8_w8a16", 128, 32)
+    assert kernel_supports_shape("fp8_w8a16", 128, 64) and not kernel_supports_shape(
+        "fp8_w8a16", 96, 64
+    )
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        get_cpu_kernels().quant_linear(
+            torch.ones(1, 128).bfloat16(), qw.kind, qw.weight, qw.scale, None, None, 32, None
+        )
+    with pytest.raises(RuntimeError, match="scale must have shape"):
+        get_cpu_kernels().quant_linear(
+            torch.ones(1, 128).bfloat16(), qw.kind, qw.weight, qw.scale, None, None, 64, None
+        )
 
 
 @needs_vnni
@@ -353,17 +399,7 @@ def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_chec
     per-layer path run the same kernels, so their outputs are equal bit for bit."""
     if packing == "amx" and not _amx_available():
         pytest.skip("CPU (or Linux) lacks AMX-INT8")
-    from minivllm import LLM, SamplingParams
-    from minivllm.layers.fused_decode import FusedLlamaDecode
-
-    llm = LLM(
-        str(make_checkpoint("Qwen3ForCausalLM")),
-        dtype="bfloat16",
-        kv_cache_memory_bytes=4 << 20,
-        max_model_len=64,
-        block_size=4,
-        enable_prefix_caching=False,
-    )
+    llm = _decode_engine(make_checkpoint)
     runner = llm.llm_engine.executor.runner
     formats = [f for f in FORMATS if f[0] != "int4_w4a16" or f[2] == 32] + [("int4_w4a16", 0, 64)]
     linears = [lin for layer in runner.model.decoder_stack_parts().layers for lin in layer.linears]
@@ -373,6 +409,40 @@ def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_chec
         if scheme == "int8_w8a8":  # batches past w8a8_max_kernel_rows run the packed copy
             prepack_w8a8(qw, packing)
         linear.quant_method = _KernelQuantMethod(qw)
+    _assert_fused_equals_per_layer(llm)
+
+
+@needs_bf16
+def test_fused_decode_with_block_fp8_linears_equals_the_per_layer_path(make_checkpoint):
+    """Block-scaled fp8 (a scale per row and 64 k) in the one-call decode step: the step
+    reads the group from the scale's shape and runs the per-layer path's kernel."""
+    llm = _decode_engine(make_checkpoint)
+    runner = llm.llm_engine.executor.runner
+    for layer in runner.model.decoder_stack_parts().layers:
+        for linear in layer.linears:
+            linear.quant_method = _KernelQuantMethod(_block_fp8(linear.weight.float(), 64))
+    _assert_fused_equals_per_layer(llm)
+
+
+def _decode_engine(make_checkpoint):
+    """A tiny bf16 Qwen3 engine whose linears the fused-step tests replace."""
+    from minivllm import LLM
+
+    return LLM(
+        str(make_checkpoint("Qwen3ForCausalLM")),
+        dtype="bfloat16",
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=64,
+        block_size=4,
+        enable_prefix_caching=False,
+    )
+
+
+def _assert_fused_equals_per_layer(llm) -> None:
+    from minivllm import SamplingParams
+    from minivllm.layers.fused_decode import FusedLlamaDecode
+
+    runner = llm.llm_engine.executor.runner
     fused_step, reason = FusedLlamaDecode.build(runner.model, runner.kernels, runner.attn_backend)
     assert reason == "on"
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)

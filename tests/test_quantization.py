@@ -18,7 +18,12 @@ import torch
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.isa import cpu_flags
 from minivllm.quantization import formats
-from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match, needs_avx2
+from tests.conftest import (
+    QUANTIZED_FP32_TOL,
+    assert_logprobs_match,
+    assert_prompt_logprobs_close,
+    needs_avx2,
+)
 
 PROMPTS = [[random.Random(i).randrange(3, 500) for _ in range(9 + 5 * i)] for i in range(3)]
 # hidden 64 and intermediate 128 in the tiny configs: int4 groups of 32 fit every input size
@@ -180,14 +185,7 @@ def test_bf16_kernels_agree_with_the_reference_backend(make_checkpoint, quantiza
         method = _layers(llm)["model.layers.0.mlp.down_proj"]
         assert method.backend == backend
         runs[backend] = _run(llm)
-    for kernel, reference in zip(runs["cpu_kernel"], runs["torch"]):
-        for pos in range(1, len(kernel.prompt_token_ids)):
-            token = kernel.prompt_token_ids[pos]
-            diff = (
-                kernel.prompt_logprobs[pos][token].logprob
-                - reference.prompt_logprobs[pos][token].logprob
-            )
-            assert abs(diff) < 0.05, (pos, diff)
+    assert_prompt_logprobs_close(runs["cpu_kernel"], runs["torch"])
 
 
 def test_shard_targets_count_as_used_and_w8a8_embeddings_are_refused(

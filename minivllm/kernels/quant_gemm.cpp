@@ -42,13 +42,14 @@ struct Problem {
   int64_t ldx, M, N, units;
   int tail_bytes;      // bytes of a row in its last unit when that one is partial, else 0
   const float* scale;  // [N] or int4's [N, num_groups]
-  float scale_mul;     // per channel: y = dot * scale[n] * scale_mul (fp8's 2^-8)
-  // int4 only
-  const float* zero;  // [N, num_groups]; nullptr: symmetric (8)
+  float scale_mul;     // y = dot * scale[n] * scale_mul per channel, dot * scale_mul by
+                       // groups (fp8's 2^-8; 1 for int4)
+  // by groups of G k: int4, and block-scaled fp8 (G a multiple of its 64-k unit)
+  const float* zero;  // int4's [N, num_groups]; nullptr: symmetric (8), or fp8
   int64_t num_groups;
-  int64_t units_per_group;      // G / 128 where G % 128 == 0, else 0: lane_groups applies
-  const int32_t* lane_groups;   // [units, 17]: per float lane its group - g0, then g0
-  const float* xsum;            // [M, num_groups]: sum of x over each group
+  int64_t units_per_group;      // G / unit k where the unit divides G, else 0: lane_groups applies
+  const int32_t* lane_groups;   // [units, 17]: per float lane its group - g0, then g0 (int4)
+  const float* xsum;            // int4's [M, num_groups]: sum of x over each group; fp8 none
   const bf16* bias;
   bf16* y;
 };
@@ -172,7 +173,8 @@ __attribute__((always_inline)) inline void scaled_groups(const Problem& p, const
   }
 }
 
-// As dot_tile, for int4's groups: each group's partial sums, scaled, go into the total.
+// As dot_tile, by groups: each group's partial sums, scaled, go into the total, less
+// int4's offsets of its 128 + n encoding (xsum; block-scaled fp8 has none).
 template <class D, int MR, int R>
 inline void group_tile(const Problem& p, const uint8_t* w, int64_t ldw, const void* x,
                        const uint8_t* wnext, int64_t n0, int64_t m0, float* out) {
@@ -188,8 +190,8 @@ inline void group_tile(const Problem& p, const uint8_t* w, int64_t ldw, const vo
     for (int r = 0; r < R; ++r) {
       const int64_t n = n0 + r;
       const float* zero = p.zero ? p.zero + n * groups : nullptr;
-      out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]) -
-                       int4_offset(p.scale + n * groups, zero, p.xsum + (m0 + m) * groups, groups);
+      const float offset = p.xsum ? int4_offset(p.scale + n * groups, zero, p.xsum + (m0 + m) * groups, groups) : 0.f;
+      out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]) - offset;
     }
 }
 
@@ -227,7 +229,7 @@ inline void store(const Problem& p, bool grouped, const float* out, int R, int r
     for (int r = 0; r < rows; ++r) {
       const int64_t n = n0 + r;
       float v = out[m * R + r];
-      if (!grouped) v *= p.scale[n] * p.scale_mul;
+      v *= grouped ? p.scale_mul : p.scale[n] * p.scale_mul;
       if (p.bias) v += static_cast<float>(p.bias[n]);
       p.y[(m0 + m) * p.N + n] = bf16(v);
     }
@@ -397,9 +399,15 @@ void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c1
               "dequantize_bf16: out must be a contiguous bf16 [N, K]");
   const int64_t N = out.size(0), K = out.size(1);
   const bool int4 = kind == 2, has_zero = zero.has_value() && zero->defined();
+  const bool fp8_groups = kind == 3 && group_size > 0;  // block-scaled fp8: a scale per row and G k
   TORCH_CHECK(K % 32 == 0, "dequantize_bf16: K must be a multiple of 32, got ", K);
   check_tensor(weight, "weight", kind == 1 || kind == 4 ? at::kChar : at::kByte, {N, int4 ? K / 2 : K});
-  if (int4) {
+  if (fp8_groups) {
+    TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0,
+                "dequantize_bf16: fp8 group_size must be a multiple of 32 dividing K=", K);
+    TORCH_CHECK(!has_zero, "dequantize_bf16: only int4 (kind 2) takes zero points");
+    check_tensor(scale, "scale", at::kFloat, {N, K / group_size});
+  } else if (int4) {
     TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
                 "dequantize_bf16: int4 group_size must be a multiple of 32 dividing K=", K);
     check_tensor(scale, "scale", at::kFloat, {N, K / group_size});
@@ -412,7 +420,7 @@ void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c1
   const float* sc = scale.data_ptr<float>();
   const float* zp = has_zero ? zero->data_ptr<float>() : nullptr;
   bf16* o = out.data_ptr<bf16>();
-  const int64_t groups = int4 ? K / group_size : 1;
+  const int64_t groups = int4 || fp8_groups ? K / group_size : 1;
   auto put = [](bf16* dst, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v)); };
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
@@ -425,8 +433,8 @@ void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c1
           put(row + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
         }
       } else if (kind == 3) {  // the decoded bf16 is the e4m3 number * 2^8: exact, as is s * 2^-8
-        const __m512 s = _mm512_set1_ps(sc[n] / 256.f);
         for (int64_t k = 0; k < K; k += 32) {
+          const __m512 s = _mm512_set1_ps(sc[fp8_groups ? n * groups + k / group_size : n] / 256.f);
           const __m512i bits = (__m512i)Fp8Rows::decode32(w + n * K + k);
           const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
           const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
@@ -459,10 +467,16 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, 
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(K > 0 && K % 32 == 0, "quant_linear: K must be a positive multiple of 32, got ", K);
-  const bool int4 = kind == 2;
+  const bool int4 = kind == 2, fp8_groups = kind == 3 && group_size > 0;
   check_tensor(weight, "weight", kind == 1 || kind == 4 ? at::kChar : at::kByte, {N, int4 ? K / 2 : K});
   const bool has_zero = zero.has_value() && zero->defined();
-  if (int4) {
+  if (fp8_groups) {
+    TORCH_CHECK(group_size % Fp8Rows::kUnitK == 0 && K % group_size == 0,
+                "quant_linear: block-scaled fp8 group_size must be a multiple of 64 dividing K=", K, ", got ",
+                group_size);
+    TORCH_CHECK(!has_zero, "quant_linear: only int4 (kind 2) takes zero points");
+    check_tensor(scale, "scale", at::kFloat, {N, K / group_size});
+  } else if (int4) {
     TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
                 "quant_linear: int4 group_size must be a multiple of 32 dividing K=", K, ", got ", group_size);
     check_tensor(scale, "scale", at::kFloat, {N, K / group_size});
@@ -493,15 +507,21 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, 
     run<Int8Rows, false>(p);
   } else if (kind == 3) {
     p.scale_mul = 1.f / 256.f;  // the decoded numbers are e4m3 * 2^8
-    run<Fp8Rows, false>(p);
+    if (fp8_groups) {
+      p.num_groups = K / group_size;
+      p.units_per_group = group_size / Fp8Rows::kUnitK;
+      run<Fp8Rows, true>(p);
+    } else {
+      run<Fp8Rows, false>(p);
+    }
   } else {
     xsum = group_sums(x, group_size);
     std::vector<int32_t> lane_groups;
     p.zero = has_zero ? zero->data_ptr<float>() : nullptr;
     p.num_groups = K / group_size;
     p.xsum = xsum.data_ptr<float>();
-    if (group_size % 128 == 0) {
-      p.units_per_group = group_size / 128;
+    if (group_size % Int4Rows::kUnitK == 0) {
+      p.units_per_group = group_size / Int4Rows::kUnitK;
     } else {
       lane_groups = int4_lane_groups(units, group_size);
       p.lane_groups = lane_groups.data();

@@ -43,6 +43,7 @@ from minivllm.quantization.formats import (
     QuantWeights,
     kernel_supports,
     kernel_supports_shape,
+    max_kernel_rows,
     packed_layout,
     w8a8_max_kernel_rows,
 )
@@ -284,6 +285,10 @@ class FusedLlamaDecode(_DecodeStep):
             return
         self.packed.append(none)
         self.quant_kinds.append(weights.kind)
+        # one row limit per kind: a kind's smallest (block-scaled fp8 streams fewer rows
+        # than per-channel fp8; a model holding both dequantizes the latter sooner here)
+        limit = self.max_quant_rows[weights.kind]
+        self.max_quant_rows[weights.kind] = min(limit, max_kernel_rows(weights))
         self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
         self.quant.append(_or(weights.packed, none))
         if weights.packed is not None:  # int8_w8a8's copy: the AMX kernel's or the VNNI GEMM's
@@ -291,7 +296,6 @@ class FusedLlamaDecode(_DecodeStep):
             layout = packed_layout(weights.packed)
             assert self._w8a8_layout in (None, layout), "int8_w8a8 layers packed two ways"
             self._w8a8_layout = layout
-            self.max_quant_rows[KIND_INT8_W8A8] = w8a8_max_kernel_rows(weights.packed)
 
     @classmethod
     def build(

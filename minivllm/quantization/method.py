@@ -136,9 +136,14 @@ class QuantizedLinearMethod(LinearMethodBase):
         # multiplied in fp32 (int8_w8a8: on its quantized activations, `_apply_fp32`)
         fp32_op = kernels.op("linear_quantw")
         cpu = kernels.key is not None and kernels.key.device == "cpu"
-        borrow = qw.scheme == "int4_w4a8" or (qw.scheme == "fp8_w8a16" and qw.group_size > 0)
+        borrow = qw.scheme == "int4_w4a8" or (
+            qw.scheme == "fp8_w8a16"
+            and qw.group_size > 0
+            and not formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
+        )
         if fp32_op is None and borrow and cpu:
-            # no bf16 kernel of its own (int4_w4a8, block-scaled fp8): every CPU with
+            # no bf16 kernel of its own (int4_w4a8, fp8 blocks of other than a multiple of
+            # 64 k): every CPU with
             # AVX-512 has AVX2 too, so bf16 engines run the AVX2 family's op on rows
             # converted to fp32 (the reference's numbers: the same rounding of x, fp32 sums
             # rounded once to bf16)
