@@ -483,3 +483,32 @@ def test_bf16_one_call_equals_the_routing_loop_bit_for_bit(moe_dir, scheme, opti
         method.bf16_moe_op = one_call
     assert len(calls) == (scheme == "int8_w8a8") and torch.equal(got, want)
     llm.llm_engine.shutdown()
+
+
+@needs_kernels
+def test_experts_whose_down_projection_the_kernel_cannot_take_stay_on_the_loop(
+    tmp_path, tokenizer_dir
+) -> None:
+    """Experts of 48 rows: gate/up (K = 64) run on quant_linear, the down projection
+    (K = 48, no multiple of 32) on the reference, so the layer keeps the Python loop
+    rather than a one call that would refuse K = 48; it generates as the reference does."""
+    moe = build_dsa_checkpoint(tmp_path / "moe48", tokenizer_dir, moe_intermediate_size=48)
+    config = {"targets": {EXPERTS_ONLY: "int8_w8a16"}}
+    runs = {}
+    for backend in ("cpu_kernel", "torch"):
+        kernel = (
+            {"linear_backend_per_quant": {"int8_w8a16": backend}} if backend == "torch" else None
+        )
+        llm = LLM(
+            str(moe), **dict(ENGINE, dtype="bfloat16"), quantization="online",
+            quantization_config=config, kernel_config=kernel,
+        )  # fmt: skip
+        method = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts.quant_method
+        assert method.bf16_moe_op is None
+        if backend == "cpu_kernel":
+            assert method.experts["w13"][0].op is not None and method.experts["w2"][0].op is None
+        runs[backend] = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False
+        )
+        llm.llm_engine.shutdown()
+    assert_prompt_logprobs_close(runs["cpu_kernel"], runs["torch"])

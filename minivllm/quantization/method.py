@@ -304,5 +304,6 @@ def _why_not(op: object, qw: formats.QuantWeights) -> str:
     return (
         f"the layer's shape (input {qw.in_features}, group {qw.group_size}) is not one the "
         "kernel takes (input a multiple of 32; int4 groups of a multiple of 32; fp8 per "
-        "channel, block scales on the AVX2 op)"
+        "channel or in blocks of a multiple of 64 k dividing the input, other blocks on "
+        "the AVX2 op)"
     )

@@ -179,7 +179,9 @@ class QuantizedMoEMethod:
             self.stacked[part] = stacked
         first = self.experts["w13"][0]
         self.moe_op = kernels.op("moe_quantw") if first.fp32_op is not None else None
-        bf16 = first.op is not None  # each expert's product runs the bf16 quant_linear
+        # every product on the bf16 quant_linear (a down projection whose K, the rank's
+        # expert intermediate size, is no multiple of 32 runs the reference: the loop then)
+        bf16 = all(self.experts[part][0].op is not None for part in PARTS)
         self.bf16_moe_op = kernels.op("moe_quant_experts") if bf16 else None
         self.kernel_rows = first.kernel_rows  # the scheme's, the same for every expert
         for part in PARTS:
