@@ -18,6 +18,7 @@ Variants (each in its own subprocess, one after another, so they never share the
              Q4_0 meets q8_0 activations) on the linear layers, int8 on the LM head
   int4a8-all int4_w4a8 on the LM head too
   w8a8       int8_w8a8 on the linear layers, LM head bf16 (vLLM's W8A8 checkpoints keep it)
+  w8a8-all   int8_w8a8 on the LM head too (a batch step's 16-64 rows there are a GEMM)
   fp8        fp8_w8a16 on the linear layers (the shorthand: LM head unquantized)
   int8-nohead / int4-nohead   the shorthands as they are (LM head unquantized)
   ckpt       --ckpt-model as stored (a W8A8 compressed-tensors checkpoint: the one
@@ -63,6 +64,10 @@ VARIANTS: dict[str, dict] = {
         "quantization_config": {"targets": {"*": "int4_w4a8", "lm_head": "int4_w4a8"}},
     },
     "w8a8": {"quantization": "int8_w8a8"},
+    "w8a8-all": {
+        "quantization": "online",
+        "quantization_config": {"targets": {"*": "int8_w8a8", "lm_head": "int8_w8a8"}},
+    },
     "fp8": {"quantization": "fp8"},
     "int8-nohead": {"quantization": "int8"},
     "int4-nohead": {"quantization": "int4"},
