@@ -414,13 +414,16 @@ def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_chec
 
 @needs_bf16
 def test_fused_decode_with_block_fp8_linears_equals_the_per_layer_path(make_checkpoint):
-    """Block-scaled fp8 (a scale per row and 64 k) in the one-call decode step: the step
-    reads the group from the scale's shape and runs the per-layer path's kernel."""
+    """Block-scaled fp8 (a scale per row and 64 k) beside per-channel fp8 in the one-call
+    decode step: the step reads the group from the scale's shape and keeps each form's
+    row limit (20 rows: past block fp8's 16, within per-channel fp8's 64)."""
     llm = _decode_engine(make_checkpoint)
     runner = llm.llm_engine.executor.runner
-    for layer in runner.model.decoder_stack_parts().layers:
-        for linear in layer.linears:
-            linear.quant_method = _KernelQuantMethod(_block_fp8(linear.weight.float(), 64))
+    linears = [lin for layer in runner.model.decoder_stack_parts().layers for lin in layer.linears]
+    for i, linear in enumerate(linears):
+        w = linear.weight.float()
+        qw = _block_fp8(w, 64) if i % 2 == 0 else quantize(w, "fp8_w8a16")
+        linear.quant_method = _KernelQuantMethod(qw)
     _assert_fused_equals_per_layer(llm)
 
 

@@ -40,10 +40,10 @@ from minivllm.quantization.formats import (
     KERNEL_KIND,
     KIND_INT8_W8A8,
     MAX_STREAMING_ROWS,
+    MAX_STREAMING_ROWS_FP8_BLOCKS,
     QuantWeights,
     kernel_supports,
     kernel_supports_shape,
-    max_kernel_rows,
     packed_layout,
     w8a8_max_kernel_rows,
 )
@@ -257,10 +257,13 @@ class FusedLlamaDecode(_DecodeStep):
         self.quant: list[torch.Tensor] = []
         # per quant kind (index): rows up to which quant_linear runs it (formats.max_kernel_rows);
         # int8_w8a8's is set by its packed copies, all alike on a machine (none: every row)
-        self.max_quant_rows = [0] * (max(KERNEL_KIND.values()) + 1)
+        # (then block-scaled fp8's, which streams fewer rows than per-channel fp8: the
+        # step picks it for a kind-3 layer whose scale is 2-D)
+        self.max_quant_rows = [0] * (max(KERNEL_KIND.values()) + 2)
         for scheme, rows in MAX_STREAMING_ROWS.items():
             self.max_quant_rows[KERNEL_KIND[scheme]] = rows
         self.max_quant_rows[KIND_INT8_W8A8] = w8a8_max_kernel_rows(None)
+        self.max_quant_rows[-1] = MAX_STREAMING_ROWS_FP8_BLOCKS
         self._w8a8_layout: str | None = None  # the int8_w8a8 copies' (formats.packed_layout)
         for layer in parts.layers:
             for linear in layer.linears:
@@ -285,10 +288,6 @@ class FusedLlamaDecode(_DecodeStep):
             return
         self.packed.append(none)
         self.quant_kinds.append(weights.kind)
-        # one row limit per kind: a kind's smallest (block-scaled fp8 streams fewer rows
-        # than per-channel fp8; a model holding both dequantizes the latter sooner here)
-        limit = self.max_quant_rows[weights.kind]
-        self.max_quant_rows[weights.kind] = min(limit, max_kernel_rows(weights))
         self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
         self.quant.append(_or(weights.packed, none))
         if weights.packed is not None:  # int8_w8a8's copy: the AMX kernel's or the VNNI GEMM's
@@ -296,6 +295,7 @@ class FusedLlamaDecode(_DecodeStep):
             layout = packed_layout(weights.packed)
             assert self._w8a8_layout in (None, layout), "int8_w8a8 layers packed two ways"
             self._w8a8_layout = layout
+            self.max_quant_rows[KIND_INT8_W8A8] = w8a8_max_kernel_rows(weights.packed)
 
     @classmethod
     def build(
