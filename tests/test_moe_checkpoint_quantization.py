@@ -10,6 +10,7 @@ tests/test_moe_quantization.py, whose fixtures and helpers this file shares.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import types
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
+from minivllm.quantization.formats import kernel_supports
 from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match
 from tests.test_deepseek_v32 import build_dsa_checkpoint
 from tests.test_moe_quantization import (
@@ -336,3 +338,49 @@ def test_checkpoint_patterns_match_as_each_would_alone() -> None:
     assert got == [alone(n) for n in names] == [True, False, True, False, True, False, True, False]
     with pytest.raises(ValueError, match="not a valid regex"):
         _matches_any(("re:a)|(?:b",), "b")
+
+
+@pytest.mark.skipif(not kernel_supports("fp8_w8a16"), reason="CPU lacks AVX512-BF16")
+def test_deepseek_fp8_experts_in_one_bf16_call(tmp_path, tokenizer_dir) -> None:
+    """DeepSeek's fp8 layout with 64 x 64 blocks in a bf16 engine: the routed experts run
+    on the bf16 kernels' block-scaled fp8 in one call a layer (moe_quant.cpp), within bf16
+    rounding of the routing loop on the plain-PyTorch reference per expert. (Every input
+    size here is a multiple of 64. Whole-model logprobs are no oracle here: with every
+    linear in fp8, a bf16 rounding apart tips this random model's near-tied routers.)"""
+    from minivllm.layers.moe import routed_experts
+    from minivllm.quantization import formats
+
+    src = build_dsa_checkpoint(
+        tmp_path / "src", tokenizer_dir, moe_intermediate_size=64, intermediate_size=128,
+        q_lora_rank=64, kv_lora_rank=64,
+    )  # fmt: skip
+    write_deepseek_fp8(src, tmp_path / "fp8", block=(64, 64))
+    llm = LLM(str(tmp_path / "fp8"), **dict(ENGINE, dtype="bfloat16"))
+    layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts
+    method = layer.quant_method
+    assert method.bf16_moe_op is not None and method.stacked["w13"].group_size == 64
+
+    def reference(part: str, rows: int):
+        qw = method.stacked[part]
+
+        def expert(e: int, x: torch.Tensor) -> torch.Tensor:
+            view = {name: t[e * rows : (e + 1) * rows] for name, t in qw.tensors().items()}
+            return formats.reference_linear(x, dataclasses.replace(qw, **view, out_features=rows))
+
+        return expert
+
+    experts, hidden = layer.num_experts, method.stacked["w2"].out_features // layer.num_experts
+    inter2 = method.stacked["w13"].out_features // experts
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 3, 7):
+        x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:2] for _ in range(tokens)])
+        weights = torch.rand(tokens, 2, generator=gen)
+        got = method.apply(layer, x, weights, ids).double()
+        want = routed_experts(x, weights, ids, reference("w13", inter2), reference("w2", hidden))
+        # each product rounds its float32 sums once to bf16 on both sides: h and y may sit
+        # a bf16 ulp apart, 2^-8 of the largest output
+        assert (got - want.double()).abs().max() <= 2**-8 * want.double().abs().max()
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == PARAMS.max_tokens for o in outs)
+    llm.llm_engine.shutdown()
