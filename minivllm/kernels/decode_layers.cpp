@@ -83,7 +83,7 @@ torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel
   const torch::Tensor *scale = l.quant, *zero = l.quant + 1, *wsum = l.quant + 2, *packed = l.quant + 3;
   // int4's and block-scaled fp8's scale: [N, K / G]
   const int64_t group_size = scale->dim() == 2 ? x.size(1) / scale->size(1) : 0;
-  const bool fp8_blocks = l.kind == 3 && scale->dim() == 2;
+  const bool fp8_blocks = l.kind == 3 && group_size > 0;
   if (x.size(0) > max_quant_rows[fp8_blocks ? FP8_BLOCKS_ROWS : l.kind]) {
     if (l.kind == 4) return w8a8_packed_linear(x, *packed, l.w.size(1), *scale, *wsum, maybe(l.bias));
     auto dense = torch::empty({scale->size(0), x.size(1)}, x.options());

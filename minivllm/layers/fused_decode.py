@@ -144,6 +144,9 @@ def _why_not_kernel_linear(linear: LinearBase) -> str | None:
     return None
 
 
+# decode_layers.cpp's index of block-scaled fp8's row limit, after one per quant kind
+FP8_BLOCKS_ROWS = max(KERNEL_KIND.values()) + 1
+
 # linear_quantw's kinds (kernels/avx2_quant.cpp); int8_w8a8 in an fp32 engine quantizes
 # its activations in Python first (QuantizedLinearMethod._apply_fp32), so it has no step
 _FP32_KINDS = {"int8_w8a16": 1, "int4_w4a16": 2, "fp8_w8a16": 3, "int4_w4a8": 5}
@@ -257,13 +260,13 @@ class FusedLlamaDecode(_DecodeStep):
         self.quant: list[torch.Tensor] = []
         # per quant kind (index): rows up to which quant_linear runs it (formats.max_kernel_rows);
         # int8_w8a8's is set by its packed copies, all alike on a machine (none: every row)
-        # (then block-scaled fp8's, which streams fewer rows than per-channel fp8: the
-        # step picks it for a kind-3 layer whose scale is 2-D)
-        self.max_quant_rows = [0] * (max(KERNEL_KIND.values()) + 2)
+        # (then, at FP8_BLOCKS_ROWS, block-scaled fp8's, which streams fewer rows than
+        # per-channel fp8: the step reads it for a kind-3 layer whose scale is 2-D)
+        self.max_quant_rows = [0] * (FP8_BLOCKS_ROWS + 1)
         for scheme, rows in MAX_STREAMING_ROWS.items():
             self.max_quant_rows[KERNEL_KIND[scheme]] = rows
         self.max_quant_rows[KIND_INT8_W8A8] = w8a8_max_kernel_rows(None)
-        self.max_quant_rows[-1] = MAX_STREAMING_ROWS_FP8_BLOCKS
+        self.max_quant_rows[FP8_BLOCKS_ROWS] = MAX_STREAMING_ROWS_FP8_BLOCKS
         self._w8a8_layout: str | None = None  # the int8_w8a8 copies' (formats.packed_layout)
         for layer in parts.layers:
             for linear in layer.linears:

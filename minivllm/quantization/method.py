@@ -143,10 +143,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         )
         if fp32_op is None and borrow and cpu:
             # no bf16 kernel of its own (int4_w4a8, fp8 blocks of other than a multiple of
-            # 64 k): every CPU with
-            # AVX-512 has AVX2 too, so bf16 engines run the AVX2 family's op on rows
-            # converted to fp32 (the reference's numbers: the same rounding of x, fp32 sums
-            # rounded once to bf16)
+            # 64 k): every CPU with AVX-512 has AVX2 too, so bf16 engines run the AVX2
+            # family's op on rows converted to fp32 (the reference's numbers: the same
+            # rounding of x, fp32 sums rounded once to bf16)
             from minivllm.kernels import get_avx2_kernels
 
             avx2 = get_avx2_kernels()

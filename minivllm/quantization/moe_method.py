@@ -184,12 +184,9 @@ class QuantizedMoEMethod:
         bf16 = all(self.experts[part][0].op is not None for part in PARTS)
         self.bf16_moe_op = kernels.op("moe_quant_experts") if bf16 else None
         self.kernel_rows = first.kernel_rows  # the scheme's, the same for every expert
-        for part in PARTS:
-            self.packed[part] = [
-                m.quant_weights.packed
-                for m in self.experts[part]
-                if bf16 and m.quant_weights.packed is not None
-            ]
+        for part in PARTS:  # int8_w8a8's prepacked copies, one per expert, for the one call
+            copies = [m.quant_weights.packed for m in self.experts[part]]
+            self.packed[part] = copies if bf16 and None not in copies else []
 
     @property
     def op_name(self) -> str:
