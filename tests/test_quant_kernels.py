@@ -39,6 +39,7 @@ from minivllm.quantization.formats import (
     from_int8_values,
     kernel_supports,
     kernel_supports_shape,
+    max_dequantized_rows,
     max_kernel_rows,
     pack_int4,
     pack_vnni_w8a8,
@@ -367,8 +368,9 @@ def test_schemes_and_kinds_agree():
 
 class _KernelQuantMethod(LinearMethodBase):
     """A stand-in for a quantized linear method: a bf16 layer's weight, quantized, applied
-    with the kernels (past formats.max_kernel_rows a GEMM on int8_w8a8's packed copy or on
-    the dequantized weight)."""
+    with the kernels (past formats.max_kernel_rows a GEMM on int8_w8a8's packed copy,
+    dequantized_linear up to formats.max_dequantized_rows, then a GEMM on the dequantized
+    weight)."""
 
     def __init__(self, weights: QuantWeights) -> None:
         self.quant_weights = weights
@@ -382,6 +384,9 @@ class _KernelQuantMethod(LinearMethodBase):
         rows = x.reshape(-1, qw.in_features)
         if rows.shape[0] > max_kernel_rows(qw) and qw.scheme == "int8_w8a8":
             y = kernels.w8a8_packed_linear(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
+        elif max_kernel_rows(qw) < rows.shape[0] <= max_dequantized_rows(qw):
+            args = (qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias)
+            y = kernels.dequantized_linear(rows, *args)
         elif rows.shape[0] > max_kernel_rows(qw):  # dequantized for oneDNN's GEMM
             dense = torch.empty(qw.out_features, qw.in_features, dtype=torch.bfloat16)
             kernels.dequantize_bf16(qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, dense)
@@ -416,7 +421,8 @@ def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_chec
 def test_fused_decode_with_block_fp8_linears_equals_the_per_layer_path(make_checkpoint):
     """Block-scaled fp8 (a scale per row and 64 k) beside per-channel fp8 in the one-call
     decode step: the step reads the group from the scale's shape and keeps each form's
-    row limit (20 rows: past block fp8's 16, within per-channel fp8's 64)."""
+    row limits (20 rows: past block fp8's 16, so dequantized_linear, within per-channel
+    fp8's 64)."""
     llm = _decode_engine(make_checkpoint)
     runner = llm.llm_engine.executor.runner
     linears = [lin for layer in runner.model.decoder_stack_parts().layers for lin in layer.linears]
@@ -449,7 +455,8 @@ def _assert_fused_equals_per_layer(llm) -> None:
     fused_step, reason = FusedLlamaDecode.build(runner.model, runner.kernels, runner.attn_backend)
     assert reason == "on"
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
-    for num_prompts in (20, 3):  # 20 rows: past int4's and int8_w8a8's kernel rows
+    # 20 rows: past int4's and int8_w8a8's kernel rows (int4 on dequantized_linear); 3 within
+    for num_prompts in (20, 3):
         prompts = [{"prompt_token_ids": list(range(5, 6 + n))} for n in range(num_prompts)]
         results = []
         for fused in (fused_step, None):

@@ -70,10 +70,13 @@ struct Linear {
 };
 
 // The weight-streaming kernels up to their row limits; past them a GEMM: oneDNN's on bf16's
-// packed copy, ours on int8_w8a8's, oneDNN's on a weight-only scheme's weight dequantized
-// to bf16 (as QuantizedLinearMethod.apply does). max_quant_rows[kind]: formats.max_kernel_rows,
-// block-scaled fp8's (kind 3 with a 2-D scale) at index FP8_BLOCKS_ROWS.
-constexpr int64_t FP8_BLOCKS_ROWS = 6;  // layers/fused_decode.py's index, past the kinds
+// packed copy, ours on int8_w8a8's, and for the weight-only schemes, as
+// QuantizedLinearMethod.apply does, dequantized_linear up to formats.max_dequantized_rows
+// (int4, block-scaled fp8), then oneDNN's on the weight dequantized to bf16.
+// max_quant_rows[kind]: formats.max_kernel_rows, block-scaled fp8's (kind 3 with a 2-D
+// scale) at index FP8_BLOCKS_ROWS; then the two dequantized_linear limits.
+// layers/fused_decode.py's indices, past the kinds:
+constexpr int64_t FP8_BLOCKS_ROWS = 6, INT4_DEQUANTIZED_ROWS = 7, FP8_BLOCKS_DEQUANTIZED_ROWS = 8;
 torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel_rows,
                      const std::vector<int64_t>& max_quant_rows) {
   if (l.kind == 0) {
@@ -86,6 +89,10 @@ torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel
   const bool fp8_blocks = l.kind == 3 && group_size > 0;
   if (x.size(0) > max_quant_rows[fp8_blocks ? FP8_BLOCKS_ROWS : l.kind]) {
     if (l.kind == 4) return w8a8_packed_linear(x, *packed, l.w.size(1), *scale, *wsum, maybe(l.bias));
+    const int64_t dequantized = l.kind == 2 ? max_quant_rows[INT4_DEQUANTIZED_ROWS]
+                                : fp8_blocks ? max_quant_rows[FP8_BLOCKS_DEQUANTIZED_ROWS]
+                                             : 0;
+    if (x.size(0) <= dequantized) return dequantized_linear(x, l.kind, l.w, *scale, maybe(*zero), group_size, maybe(l.bias));
     auto dense = torch::empty({scale->size(0), x.size(1)}, x.options());
     dequantize_bf16(l.kind, l.w, *scale, maybe(*zero), group_size, dense);
     return at::linear(x, dense, maybe(l.bias));
@@ -132,9 +139,10 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
   TORCH_CHECK(static_cast<int64_t>(quant.size()) == L * 16, "quant: scale, zero, wsum, packed per linear");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "one window per layer");
   // one per formats.KERNEL_KIND (kind 5 is the AVX2 family's, never a layer's here), then
-  // block-scaled fp8's
-  TORCH_CHECK(static_cast<int64_t>(max_quant_rows.size()) == FP8_BLOCKS_ROWS + 1,
-              "max_quant_rows: one per quant kind 0-5, then block-scaled fp8's");
+  // block-scaled fp8's, then int4's and block-scaled fp8's dequantized_linear limits
+  TORCH_CHECK(static_cast<int64_t>(max_quant_rows.size()) == FP8_BLOCKS_DEQUANTIZED_ROWS + 1,
+              "max_quant_rows: one per quant kind 0-5, block-scaled fp8's, then int4's and block-scaled "
+              "fp8's dequantized_linear limits");
   for (int64_t kind : quant_kinds)
     TORCH_CHECK(kind >= 0 && kind <= 4, "quant_kinds: 0 (bf16) to 4 (int8_w8a8), got ", kind);
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "hidden: bf16 [B, H]");

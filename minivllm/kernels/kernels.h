@@ -118,6 +118,9 @@ torch::Tensor quant_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, 
                            int64_t group_size, c10::optional<torch::Tensor> bias);
 void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                      int64_t group_size, torch::Tensor out);
+torch::Tensor dequantized_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
+                                 c10::optional<torch::Tensor> zero, int64_t group_size,
+                                 c10::optional<torch::Tensor> bias);
 void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
                  const torch::Tensor& wsum, const at::BFloat16* bias, torch::Tensor& y);
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x);

@@ -278,6 +278,28 @@ void decode_block(const Problem& p, int64_t n0, int64_t rows, int64_t ahead, __m
     }
 }
 
+// Rows n0 .. n0 + rows of the weight, decoded into the scratch `s` (ld_scratch bytes a
+// row), times every row of x in tiles of MR rows, stored; `per_group`: store's scaling.
+template <class S, bool Grouped, int MR, int R>
+inline void multiply_scratch(const Problem& p, const uint8_t* s, int64_t ld_scratch, int64_t n0, int64_t rows,
+                             bool per_group) {
+  float out[MR * R];
+  for (int64_t m0 = 0; m0 < p.M; m0 += MR) {
+    const int mr = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
+    const void* x = static_cast<const bf16*>(p.x) + m0 * p.ldx;
+    if (rows == R) {
+      tile_rows<S, Grouped, MR, R>(mr, p, s, ld_scratch, x, n0, m0, out);
+    } else {
+      for (int r = 0; r < rows; ++r) {
+        float one[MR];
+        tile_rows<S, Grouped, MR, 1>(mr, p, s + r * ld_scratch, ld_scratch, x, n0 + r, m0, one);
+        for (int m = 0; m < mr; ++m) out[m * R + r] = one[m];
+      }
+    }
+    store(p, per_group, out, R, static_cast<int>(rows), n0, m0, mr);
+  }
+}
+
 // Several rows of x: each block of R weight rows is decoded once, then multiplied with x
 // in tiles of MR rows read from the scratch.
 template <class D, bool Grouped, int MR, int R>
@@ -287,25 +309,11 @@ void decoded_blocks(const Problem& p) {
   const int64_t ld_scratch = p.units * S::kBytes;  // bytes per decoded row
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<__m512bh> scratch(R * p.units * D::kVectors);
-    const uint8_t* s = reinterpret_cast<const uint8_t*>(scratch.data());
-    float out[MR * R];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t n0 = b * R, rows = std::min<int64_t>(R, p.N - n0);
       decode_block<D>(p, n0, rows, 2 * R, scratch.data());
-      for (int64_t m0 = 0; m0 < p.M; m0 += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
-        const void* x = static_cast<const bf16*>(p.x) + m0 * p.ldx;
-        if (rows == R) {
-          tile_rows<S, Grouped, MR, R>(mr, p, s, ld_scratch, x, n0, m0, out);
-        } else {
-          for (int r = 0; r < rows; ++r) {
-            float one[MR];
-            tile_rows<S, Grouped, MR, 1>(mr, p, s + r * ld_scratch, ld_scratch, x, n0 + r, m0, one);
-            for (int m = 0; m < mr; ++m) out[m * R + r] = one[m];
-          }
-        }
-        store(p, Grouped, out, R, static_cast<int>(rows), n0, m0, mr);
-      }
+      multiply_scratch<S, Grouped, MR, R>(p, reinterpret_cast<const uint8_t*>(scratch.data()), ld_scratch, n0,
+                                          rows, Grouped);
     }
   });
 }
@@ -376,14 +384,117 @@ std::vector<int32_t> int4_lane_groups(int64_t units, int64_t group_size) {
   return table;
 }
 
-void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype,
-                  std::vector<int64_t> shape) {
-  TORCH_CHECK(t.scalar_type() == dtype, "quant_linear: ", name, " must be ", dtype, ", got ",
-              t.scalar_type());
-  TORCH_CHECK(t.sizes() == c10::IntArrayRef(shape), "quant_linear: ", name, " must have shape ",
-              c10::IntArrayRef(shape), ", got ", t.sizes());
-  TORCH_CHECK(t.is_contiguous(), "quant_linear: ", name, " must be contiguous");
+void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype, std::vector<int64_t> shape,
+                  const char* who = "quant_linear") {
+  TORCH_CHECK(t.scalar_type() == dtype, who, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.sizes() == c10::IntArrayRef(shape), who, ": ", name, " must have shape ", c10::IntArrayRef(shape),
+              ", got ", t.sizes());
+  TORCH_CHECK(t.is_contiguous(), who, ": ", name, " must be contiguous");
 }
+
+}  // namespace
+
+namespace {
+
+// A quantized weight's operands as dequantize_bf16 and dequantized_linear read them.
+struct Dequant {
+  int64_t kind, K, groups, group_size;
+  bool fp8_groups;  // block-scaled fp8: a scale per row and group of k
+  const uint8_t* w;
+  const float *scale, *zero;
+};
+
+// Checks a weight's operands (N rows, K k) as formats.QuantWeights lays them out.
+Dequant check_dequant(const char* who, int64_t kind, const torch::Tensor& weight, const torch::Tensor& scale,
+                      const c10::optional<torch::Tensor>& zero, int64_t group_size, int64_t N, int64_t K) {
+  TORCH_CHECK(kind >= 1 && kind <= 4, who, ": kind must be 1-4, got ", kind);
+  const bool int4 = kind == 2, has_zero = zero.has_value() && zero->defined();
+  const bool fp8_groups = kind == 3 && group_size > 0;
+  TORCH_CHECK(K > 0 && K % 32 == 0, who, ": K must be a positive multiple of 32, got ", K);
+  check_tensor(weight, "weight", kind == 1 || kind == 4 ? at::kChar : at::kByte, {N, int4 ? K / 2 : K}, who);
+  if (fp8_groups || int4) {
+    TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, who, ": group_size must be a multiple of 32 dividing K=",
+                K, ", got ", group_size);
+    check_tensor(scale, "scale", at::kFloat, {N, K / group_size}, who);
+  } else {
+    check_tensor(scale, "scale", at::kFloat, {N}, who);
+  }
+  TORCH_CHECK(!has_zero || int4, who, ": only int4 (kind 2) takes zero points");
+  if (has_zero) check_tensor(*zero, "zero", at::kFloat, {N, K / group_size}, who);
+  return {kind, K, int4 || fp8_groups ? K / group_size : 1, group_size, fp8_groups,
+          static_cast<const uint8_t*>(weight.data_ptr()), scale.data_ptr<float>(),
+          has_zero ? zero->data_ptr<float>() : nullptr};
+}
+
+// Row n of the weight as formats.dequantize gives it, rounded to bf16 once, into `row`;
+// `ahead` rows further on (where there is one) are prefetched into L2 meanwhile.
+void dequantize_row(const Dequant& d, int64_t n, bf16* row, int64_t ahead = 0, int64_t N = 0) {
+  const int64_t row_bytes = d.kind == 2 ? d.K / 2 : d.K;
+  if (n + ahead < N) {
+    const char* next = reinterpret_cast<const char*>(d.w + (n + ahead) * row_bytes);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
+  }
+  auto put = [](bf16* dst, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v)); };
+  const int64_t K = d.K;
+  if (d.kind == 1 || d.kind == 4) {
+    const __m512 s = _mm512_set1_ps(d.scale[n]);
+    const int8_t* q = reinterpret_cast<const int8_t*>(d.w) + n * K;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
+      put(row + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
+    }
+  } else if (d.kind == 3) {  // the decoded bf16 is the e4m3 number * 2^8: exact, as is s * 2^-8
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m512 s = _mm512_set1_ps(d.scale[d.fp8_groups ? n * d.groups + k / d.group_size : n] / 256.f);
+      const __m512i bits = (__m512i)Fp8Rows::decode32(d.w + n * K + k);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+      const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+      put(row + k, _mm512_mul_ps(lo, s));
+      put(row + k + 16, _mm512_mul_ps(hi, s));
+    }
+  } else {  // int4: 16 bytes a 32-k chunk, byte j = q[j] | q[j + 16] << 4
+    const uint8_t* q = d.w + n * (K / 2);
+    int64_t k = 0;
+    // 64 k at a time by table: each group's 16 possible values, (v - z) * s rounded to
+    // bf16 as below, looked up by nibble (vpermw): the same numbers for a third of the
+    // instructions. Words 16-31 of the table are the second 32-k chunk's group.
+    const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    auto table = [&](int64_t g) {
+      const __m512 s = _mm512_set1_ps(d.scale[g]), z = _mm512_set1_ps(d.zero ? d.zero[g] : 8.f);
+      return (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_sub_ps(values, z), s));
+    };
+    int64_t g_lo = -1, g_hi = -1;
+    __m512i lut = _mm512_setzero_si512();
+    for (; k + 64 <= K; k += 64) {
+      const int64_t g0 = n * d.groups + k / d.group_size, g1 = n * d.groups + (k + 32) / d.group_size;
+      if (g0 != g_lo || g1 != g_hi) {
+        const __m256i t0 = table(g0), t1 = g1 == g0 ? t0 : table(g1);
+        lut = _mm512_inserti64x4(_mm512_castsi256_si512(t0), t1, 1);
+        g_lo = g0, g_hi = g1;
+      }
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + k / 2)));
+      const __m512i lo = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi16(15)), second);
+      const __m512i hi = _mm512_or_si512(_mm512_srli_epi16(b, 4), second);
+      const __m512i vlo = _mm512_permutexvar_epi16(lo, lut), vhi = _mm512_permutexvar_epi16(hi, lut);
+      // vlo: k 0-15 of each chunk, vhi: k 16-31; back in order, chunk by chunk
+      _mm512_storeu_si512(row + k, _mm512_shuffle_i64x2(vlo, vhi, 0x44));
+      _mm512_storeu_si512(row + k + 32, _mm512_shuffle_i64x2(vlo, vhi, 0xEE));
+    }
+    for (; k < K; k += 32) {  // a last chunk of 32
+      const int64_t g = n * d.groups + k / d.group_size;
+      const __m512 s = _mm512_set1_ps(d.scale[g]), z = _mm512_set1_ps(d.zero ? d.zero[g] : 8.f);
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
+      const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+      const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+      put(row + k, _mm512_mul_ps(_mm512_sub_ps(low, z), s));
+      put(row + k + 16, _mm512_mul_ps(_mm512_sub_ps(high, z), s));
+    }
+  }
+}
+
+// dequantized_linear's tiles: MR rows of x by R weight rows (gemv_bf16's 4 x 6).
+constexpr int kDqRows = 4, kDqBlock = 6;
 
 }  // namespace
 
@@ -394,67 +505,52 @@ void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype
 // dequantization took several passes over float32 copies, about 3x the GEMM at prefill.
 void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                      int64_t group_size, torch::Tensor out) {
-  TORCH_CHECK(kind >= 1 && kind <= 4, "dequantize_bf16: kind must be 1-4, got ", kind);
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.is_contiguous(),
               "dequantize_bf16: out must be a contiguous bf16 [N, K]");
-  const int64_t N = out.size(0), K = out.size(1);
-  const bool int4 = kind == 2, has_zero = zero.has_value() && zero->defined();
-  const bool fp8_groups = kind == 3 && group_size > 0;  // block-scaled fp8: a scale per row and G k
-  TORCH_CHECK(K % 32 == 0, "dequantize_bf16: K must be a multiple of 32, got ", K);
-  check_tensor(weight, "weight", kind == 1 || kind == 4 ? at::kChar : at::kByte, {N, int4 ? K / 2 : K});
-  if (fp8_groups) {
-    TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0,
-                "dequantize_bf16: fp8 group_size must be a multiple of 32 dividing K=", K);
-    TORCH_CHECK(!has_zero, "dequantize_bf16: only int4 (kind 2) takes zero points");
-    check_tensor(scale, "scale", at::kFloat, {N, K / group_size});
-  } else if (int4) {
-    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
-                "dequantize_bf16: int4 group_size must be a multiple of 32 dividing K=", K);
-    check_tensor(scale, "scale", at::kFloat, {N, K / group_size});
-    if (has_zero) check_tensor(*zero, "zero", at::kFloat, {N, K / group_size});
-  } else {
-    TORCH_CHECK(!has_zero, "dequantize_bf16: only int4 (kind 2) takes zero points");
-    check_tensor(scale, "scale", at::kFloat, {N});
-  }
-  const uint8_t* w = static_cast<const uint8_t*>(weight.data_ptr());
-  const float* sc = scale.data_ptr<float>();
-  const float* zp = has_zero ? zero->data_ptr<float>() : nullptr;
+  const Dequant d = check_dequant("dequantize_bf16", kind, weight, scale, zero, group_size, out.size(0), out.size(1));
   bf16* o = out.data_ptr<bf16>();
-  const int64_t groups = int4 || fp8_groups ? K / group_size : 1;
-  auto put = [](bf16* dst, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v)); };
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      bf16* row = o + n * K;
-      if (kind == 1 || kind == 4) {
-        const __m512 s = _mm512_set1_ps(sc[n]);
-        const int8_t* q = reinterpret_cast<const int8_t*>(w) + n * K;
-        for (int64_t k = 0; k < K; k += 16) {
-          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k));
-          put(row + k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s));
-        }
-      } else if (kind == 3) {  // the decoded bf16 is the e4m3 number * 2^8: exact, as is s * 2^-8
-        for (int64_t k = 0; k < K; k += 32) {
-          const __m512 s = _mm512_set1_ps(sc[fp8_groups ? n * groups + k / group_size : n] / 256.f);
-          const __m512i bits = (__m512i)Fp8Rows::decode32(w + n * K + k);
-          const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
-          const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
-          put(row + k, _mm512_mul_ps(lo, s));
-          put(row + k + 16, _mm512_mul_ps(hi, s));
-        }
-      } else {  // int4: 16 bytes a 32-k chunk, byte j = q[j] | q[j + 16] << 4
-        const uint8_t* q = w + n * (K / 2);
-        for (int64_t k = 0; k < K; k += 32) {
-          const int64_t g = n * groups + k / group_size;
-          const __m512 s = _mm512_set1_ps(sc[g]), z = _mm512_set1_ps(zp ? zp[g] : 8.f);
-          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2)));
-          const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-          const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-          put(row + k, _mm512_mul_ps(_mm512_sub_ps(low, z), s));
-          put(row + k + 16, _mm512_mul_ps(_mm512_sub_ps(high, z), s));
-        }
-      }
+  at::parallel_for(0, out.size(0), 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) dequantize_row(d, n, o + n * d.K);
+  });
+}
+
+// x @ dequantize_bf16(weight)^T + bias without the dequantized copy: each thread
+// dequantizes a block of kDqBlock weight rows into a bf16 scratch (L1) and multiplies it
+// with every row of x in gemv_bf16's tiles, so the weight streams from memory once, at
+// its quantized size, and is never written out. Past quant_linear's rows (whose grouped
+// tiles scale each group's sums in registers, slower from ~8 rows) and up to the rows
+// where oneDNN's GEMM on the dequantized copy wins (formats.MAX_DEQUANTIZED_ROWS). The
+// numbers are that path's but for the order of the float32 sums.
+torch::Tensor dequantized_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
+                                 c10::optional<torch::Tensor> zero, int64_t group_size,
+                                 c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "dequantized_linear: x must be bf16 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const Dequant d = check_dequant("dequantized_linear", kind, weight, scale, zero, group_size, N, K);
+  const bf16* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    check_tensor(*bias, "bias", at::kBFloat16, {N}, "dequantized_linear");
+    b = bias->data_ptr<bf16>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  using S = ScratchRows<1>;  // a dequantized row: units of 32 k, no tail (K % 32 == 0)
+  const float one = 1.f;
+  Problem p{nullptr, 0, x.data_ptr(), K, M, N, K / S::kUnitK, 0, &one, 1.f,
+            nullptr, 0, 0, nullptr, nullptr, b, y.data_ptr<bf16>()};
+  const int64_t num_blocks = (N + kDqBlock - 1) / kDqBlock, ld_scratch = K * sizeof(bf16);
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> scratch(kDqBlock * K);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t n0 = blk * kDqBlock, rows = std::min<int64_t>(kDqBlock, N - n0);
+      for (int64_t r = 0; r < rows; ++r) dequantize_row(d, n0 + r, scratch.data() + r * K, 2 * kDqBlock, N);
+      // per_group: the store scales by scale_mul (1) alone, so y = the sum + bias
+      multiply_scratch<S, false, kDqRows, kDqBlock>(p, reinterpret_cast<const uint8_t*>(scratch.data()),
+                                                    ld_scratch, n0, rows, true);
     }
   });
+  return y;
 }
 
 torch::Tensor quant_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,

@@ -39,6 +39,7 @@ from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.quantization.formats import (
     KERNEL_KIND,
     KIND_INT8_W8A8,
+    MAX_DEQUANTIZED_ROWS,
     MAX_STREAMING_ROWS,
     MAX_STREAMING_ROWS_FP8_BLOCKS,
     QuantWeights,
@@ -144,8 +145,10 @@ def _why_not_kernel_linear(linear: LinearBase) -> str | None:
     return None
 
 
-# decode_layers.cpp's index of block-scaled fp8's row limit, after one per quant kind
+# decode_layers.cpp's index of block-scaled fp8's row limit, after one per quant kind, then
+# those of int4's and block-scaled fp8's dequantized_linear (formats.MAX_DEQUANTIZED_ROWS)
 FP8_BLOCKS_ROWS = max(KERNEL_KIND.values()) + 1
+INT4_DEQUANTIZED_ROWS, FP8_BLOCKS_DEQUANTIZED_ROWS = FP8_BLOCKS_ROWS + 1, FP8_BLOCKS_ROWS + 2
 
 # linear_quantw's kinds (kernels/avx2_quant.cpp); int8_w8a8 in an fp32 engine quantizes
 # its activations in Python first (QuantizedLinearMethod._apply_fp32), so it has no step
@@ -261,12 +264,15 @@ class FusedLlamaDecode(_DecodeStep):
         # per quant kind (index): rows up to which quant_linear runs it (formats.max_kernel_rows);
         # int8_w8a8's is set by its packed copies, all alike on a machine (none: every row)
         # (then, at FP8_BLOCKS_ROWS, block-scaled fp8's, which streams fewer rows than
-        # per-channel fp8: the step reads it for a kind-3 layer whose scale is 2-D)
-        self.max_quant_rows = [0] * (FP8_BLOCKS_ROWS + 1)
+        # per-channel fp8: the step reads it for a kind-3 layer whose scale is 2-D; then
+        # the rows up to which int4 and block-scaled fp8 run dequantized_linear)
+        self.max_quant_rows = [0] * (FP8_BLOCKS_DEQUANTIZED_ROWS + 1)
         for scheme, rows in MAX_STREAMING_ROWS.items():
             self.max_quant_rows[KERNEL_KIND[scheme]] = rows
         self.max_quant_rows[KIND_INT8_W8A8] = w8a8_max_kernel_rows(None)
         self.max_quant_rows[FP8_BLOCKS_ROWS] = MAX_STREAMING_ROWS_FP8_BLOCKS
+        self.max_quant_rows[INT4_DEQUANTIZED_ROWS] = MAX_DEQUANTIZED_ROWS["int4_w4a16"]
+        self.max_quant_rows[FP8_BLOCKS_DEQUANTIZED_ROWS] = MAX_DEQUANTIZED_ROWS["fp8_blocks"]
         self._w8a8_layout: str | None = None  # the int8_w8a8 copies' (formats.packed_layout)
         for layer in parts.layers:
             for linear in layer.linears:

@@ -408,6 +408,27 @@ MAX_STREAMING_ROWS = {"int8_w8a16": 64, "fp8_w8a16": 64, "int4_w4a16": 8, "int4_
 MAX_STREAMING_ROWS_FP8_BLOCKS = 16
 
 
+# int4 and block-scaled fp8 past those rows: `dequantized_linear` dequantizes a few weight
+# rows at a time into a scratch and multiplies them there (the numbers of dequantize +
+# GEMM, without writing the bf16 copy out). A layer of Qwen3-0.6B's shape from memory, 2
+# threads, AMD EPYC Zen 4 (2026-12-04, `python benchmarks/dequantized_linear.py --rows 8
+# 16 32 48 64 96`), ms against dequantize + oneDNN: int4 g128 1.27 vs 2.24 at 8 rows, 2.02
+# vs 2.61 at 16, 3.30 vs 3.90 at 32, 4.62-4.69 vs 4.96-5.22 at 48, 6.01-6.28 vs 6.18-6.28
+# at 64, 9.06 vs 8.75 at 96; block fp8 (128-k groups, `--scheme fp8-blocks`) 2.30 vs 2.67
+# at 16, 3.67 vs 4.01 at 32, 5.23 vs 5.11 at 48. In the engine the dequantized copy costs
+# more than alone (a fresh buffer, and oneDNN lays out a weight it sees for the first time
+# at every call): int4 decode steps of 64 rows (Qwen3-0.6B shape) took 335 ms this way
+# against 363 ms dequantized for oneDNN, so int4 takes it to 64 rows.
+MAX_DEQUANTIZED_ROWS = {"int4_w4a16": 64, "fp8_blocks": 32}
+
+
+def max_dequantized_rows(qw: QuantWeights) -> int:
+    """Rows up to which `dequantized_linear` runs `qw` past `max_kernel_rows` (0: never)."""
+    if qw.scheme == "fp8_w8a16" and qw.group_size:
+        return MAX_DEQUANTIZED_ROWS["fp8_blocks"]
+    return MAX_DEQUANTIZED_ROWS.get(qw.scheme, 0)
+
+
 def max_kernel_rows(qw: QuantWeights) -> int:
     """Rows up to which `quant_linear` runs `qw`: past them a weight-only scheme is
     dequantized for oneDNN's GEMM and int8_w8a8 runs a GEMM on its prepacked copy."""

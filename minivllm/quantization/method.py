@@ -13,7 +13,9 @@ reference, which is also the kernel's test oracle. Weight-only schemes at large
 batches (prefill) dequantize the weight to bf16 once per call (the compiled
 `dequantize_bf16`) and use the dense GEMM:
 there the step is compute-bound and oneDNN's bf16 GEMM is faster than converting in
-registers. int8_w8a8 at large batches runs a GEMM on its prepacked copy: our AMX kernel
+registers. Between the two, int4 and block-scaled fp8 batches (a few dozen rows) run
+`dequantized_linear`: the same numbers as dequantize + GEMM, a few rows of the weight
+dequantized at a time into a scratch, so the bf16 copy is never written out. int8_w8a8 at large batches runs a GEMM on its prepacked copy: our AMX kernel
 where the CPU has AMX-INT8, else our AVX512-VNNI GEMM.
 """
 
@@ -57,6 +59,8 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.packed_op = None  # int8_w8a8's GEMM on its prepacked copy, past a few rows
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
         self.kernel_rows = 0  # rows for quant_linear; past them formats.max_kernel_rows says
+        self.dequantized_rows = 0  # then dequantized_linear's (formats.max_dequantized_rows)
+        self.dequantized_op = None  # the compiled dequantized_linear, with `op`
         self.kernel_op = None  # the compiled quant_linear the engine offered, used or not
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
@@ -116,6 +120,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             formats.prepack_w8a8(qw, "amx" if amx is not None and amx() else "vnni")
             self.packed_op = kernels.op("w8a8_packed_linear")
         self.kernel_rows = formats.max_kernel_rows(qw)
+        self.dequantized_rows = formats.max_dequantized_rows(qw)
         self.quant_weights = qw
 
     @property
@@ -169,6 +174,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             )
         self.op = op if usable and wanted != "torch" else None
         self.dequantize_op = kernels.op("dequantize_bf16") if self.op is not None else None
+        self.dequantized_op = kernels.op("dequantized_linear") if self.op is not None else None
         self.backend = "cpu_kernel" if self.op is not None else "torch"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -186,6 +192,10 @@ class QuantizedLinearMethod(LinearMethodBase):
             out = self.op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
         elif qw.scheme == "int8_w8a8":
             out = self.packed_op(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
+        elif rows.shape[0] <= self.dequantized_rows and self.dequantized_op is not None:
+            out = self.dequantized_op(
+                rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias
+            )
         else:
             out = F.linear(rows, self._dequantized(qw), bias)
         return out.view(*x.shape[:-1], qw.out_features)
