@@ -14,7 +14,11 @@ a layer's total in ms, weights cycled past the caches (`--copies`), one process.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +28,14 @@ from minivllm.kernels import get_cpu_kernels
 from minivllm.kernels.isa import cpu_model, isa_summary
 from minivllm.quantization import formats
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from block_fp8 import block_fp8  # noqa: E402
+
 SHAPES = {"qkv": (4096, 1024), "o": (1024, 2048), "gate_up": (6144, 1024), "down": (1024, 3072)}
 WAYS = ("quant_linear", "dequantized", "dequant+gemm", "bf16 gemv", "bf16 onednn")
 
 
-def per_call_ms(fn, copies: int, reps: int) -> float:
+def per_call_ms(fn: Callable[[int], torch.Tensor], copies: int, reps: int) -> float:
     for i in range(copies):
         fn(i)
     start = time.perf_counter()
@@ -38,13 +45,13 @@ def per_call_ms(fn, copies: int, reps: int) -> float:
     return (time.perf_counter() - start) / (reps * copies) * 1e3
 
 
-def block_fp8(w: torch.Tensor, group: int) -> formats.QuantWeights:
-    scale = w.unflatten(-1, (-1, group)).abs().amax(-1) / formats.FP8_MAX
-    q = (w / scale.repeat_interleave(group, -1)).to(torch.float8_e4m3fn)
-    return formats.from_fp8_values(q, scale, group)
-
-
-def ways(k, qs: list, dense: list, packed: list, x: torch.Tensor) -> dict:
+def ways(
+    k: ModuleType,
+    qs: list[formats.QuantWeights],
+    dense: list[torch.Tensor],
+    packed: list[torch.Tensor],
+    x: torch.Tensor,
+) -> dict[str, Callable[[int], torch.Tensor]]:
     """Each way's call on copy i of a linear, by name (WAYS)."""
 
     def deq_gemm(i: int) -> torch.Tensor:

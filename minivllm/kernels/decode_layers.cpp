@@ -92,7 +92,8 @@ torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel
     const int64_t dequantized = l.kind == 2 ? max_quant_rows[INT4_DEQUANTIZED_ROWS]
                                 : fp8_blocks ? max_quant_rows[FP8_BLOCKS_DEQUANTIZED_ROWS]
                                              : 0;
-    if (x.size(0) <= dequantized) return dequantized_linear(x, l.kind, l.w, *scale, maybe(*zero), group_size, maybe(l.bias));
+    if (x.size(0) <= dequantized)
+      return dequantized_linear(x, l.kind, l.w, *scale, maybe(*zero), group_size, maybe(l.bias));
     auto dense = torch::empty({scale->size(0), x.size(1)}, x.options());
     dequantize_bf16(l.kind, l.w, *scale, maybe(*zero), group_size, dense);
     return at::linear(x, dense, maybe(l.bias));

@@ -10,6 +10,10 @@
 //    fetched into L2.
 //  - M > 4: a block is decoded once into a bf16 scratch (L1/L2) and multiplied with x in
 //    tiles of MR rows by vdpbf16ps, so decoding is paid once per weight, not per tile.
+// Past formats.max_kernel_rows the caller hands int4 and block-scaled fp8 up to
+// formats.max_dequantized_rows to dequantized_linear (below: blocks of rows dequantized,
+// scaled, into the scratch and multiplied the same way), and larger batches to
+// dequantize_bf16 and oneDNN's GEMM.
 // Measured on a 2-core Xeon (Sapphire Rapids class, AMX): at M = 1 the kernels are
 // compute-bound, ~5-6 cycles per 64 int4 weights in L1, and overlap poorly with the
 // memory stream; vdpbf16ps runs at half an instruction per cycle there, so from M ~ 4 the
@@ -279,10 +283,11 @@ void decode_block(const Problem& p, int64_t n0, int64_t rows, int64_t ahead, __m
 }
 
 // Rows n0 .. n0 + rows of the weight, decoded into the scratch `s` (ld_scratch bytes a
-// row), times every row of x in tiles of MR rows, stored; `per_group`: store's scaling.
+// row), times every row of x in tiles of MR rows, stored: times p.scale[n] where
+// `row_scales` (per-channel schemes), else times p.scale_mul alone.
 template <class S, bool Grouped, int MR, int R>
 inline void multiply_scratch(const Problem& p, const uint8_t* s, int64_t ld_scratch, int64_t n0, int64_t rows,
-                             bool per_group) {
+                             bool row_scales) {
   float out[MR * R];
   for (int64_t m0 = 0; m0 < p.M; m0 += MR) {
     const int mr = static_cast<int>(std::min<int64_t>(MR, p.M - m0));
@@ -296,7 +301,7 @@ inline void multiply_scratch(const Problem& p, const uint8_t* s, int64_t ld_scra
         for (int m = 0; m < mr; ++m) out[m * R + r] = one[m];
       }
     }
-    store(p, per_group, out, R, static_cast<int>(rows), n0, m0, mr);
+    store(p, !row_scales, out, R, static_cast<int>(rows), n0, m0, mr);
   }
 }
 
@@ -313,7 +318,7 @@ void decoded_blocks(const Problem& p) {
       const int64_t n0 = b * R, rows = std::min<int64_t>(R, p.N - n0);
       decode_block<D>(p, n0, rows, 2 * R, scratch.data());
       multiply_scratch<S, Grouped, MR, R>(p, reinterpret_cast<const uint8_t*>(scratch.data()), ld_scratch, n0,
-                                          rows, Grouped);
+                                          rows, !Grouped);
     }
   });
 }
@@ -392,10 +397,6 @@ void check_tensor(const torch::Tensor& t, const char* name, at::ScalarType dtype
   TORCH_CHECK(t.is_contiguous(), who, ": ", name, " must be contiguous");
 }
 
-}  // namespace
-
-namespace {
-
 // A quantized weight's operands as dequantize_bf16 and dequantized_linear read them.
 struct Dequant {
   int64_t kind, K, groups, group_size;
@@ -413,8 +414,8 @@ Dequant check_dequant(const char* who, int64_t kind, const torch::Tensor& weight
   TORCH_CHECK(K > 0 && K % 32 == 0, who, ": K must be a positive multiple of 32, got ", K);
   check_tensor(weight, "weight", kind == 1 || kind == 4 ? at::kChar : at::kByte, {N, int4 ? K / 2 : K}, who);
   if (fp8_groups || int4) {
-    TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, who, ": group_size must be a multiple of 32 dividing K=",
-                K, ", got ", group_size);
+    TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0, who,
+                ": group_size must be a positive multiple of 32 dividing K=", K, ", got ", group_size);
     check_tensor(scale, "scale", at::kFloat, {N, K / group_size}, who);
   } else {
     check_tensor(scale, "scale", at::kFloat, {N}, who);
@@ -426,14 +427,15 @@ Dequant check_dequant(const char* who, int64_t kind, const torch::Tensor& weight
           has_zero ? zero->data_ptr<float>() : nullptr};
 }
 
-// Row n of the weight as formats.dequantize gives it, rounded to bf16 once, into `row`;
-// `ahead` rows further on (where there is one) are prefetched into L2 meanwhile.
-void dequantize_row(const Dequant& d, int64_t n, bf16* row, int64_t ahead = 0, int64_t N = 0) {
+// Asks for weight row n in L2, ahead of its dequantize_row.
+void prefetch_row(const Dequant& d, int64_t n) {
   const int64_t row_bytes = d.kind == 2 ? d.K / 2 : d.K;
-  if (n + ahead < N) {
-    const char* next = reinterpret_cast<const char*>(d.w + (n + ahead) * row_bytes);
-    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(next + off, _MM_HINT_T1);
-  }
+  const char* row = reinterpret_cast<const char*>(d.w + n * row_bytes);
+  for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+}
+
+// Row n of the weight as formats.dequantize gives it, rounded to bf16 once, into `row`.
+void dequantize_row(const Dequant& d, int64_t n, bf16* row) {
   auto put = [](bf16* dst, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v)); };
   const int64_t K = d.K;
   if (d.kind == 1 || d.kind == 4) {
@@ -493,16 +495,18 @@ void dequantize_row(const Dequant& d, int64_t n, bf16* row, int64_t ahead = 0, i
   }
 }
 
-// dequantized_linear's tiles: MR rows of x by R weight rows (gemv_bf16's 4 x 6).
-constexpr int kDqRows = 4, kDqBlock = 6;
+// dequantized_linear's tiles: MR rows of x by R weight rows (gemv_bf16's 4 x 6); the
+// rows it prefetches ahead of the one it dequantizes (two blocks)
+constexpr int kDqRows = 4, kDqBlock = 6, kDqAhead = 2 * kDqBlock;
 
 }  // namespace
 
 // formats.dequantize(qw).to(bf16), bit for bit: each weight in float32 (q * s, the fp8
 // number * s, or (q - z) * s for int4), rounded to bf16 once. fp8's NaN bytes (which
-// formats.from_fp8_values refuses) decode as numbers here, as in the other fp8 kernels. Past MAX_STREAMING_ROWS rows
-// the weight-only schemes hand this to oneDNN's bf16 GEMM; in plain PyTorch the same
-// dequantization took several passes over float32 copies, about 3x the GEMM at prefill.
+// formats.from_fp8_values refuses) decode as numbers here, as in the other fp8 kernels.
+// The weight-only schemes hand this to oneDNN's bf16 GEMM at large batches (prefill); in
+// plain PyTorch the same dequantization took several passes over float32 copies, about 3x
+// the GEMM at prefill.
 void dequantize_bf16(int64_t kind, torch::Tensor weight, torch::Tensor scale, c10::optional<torch::Tensor> zero,
                      int64_t group_size, torch::Tensor out) {
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.is_contiguous(),
@@ -536,18 +540,20 @@ torch::Tensor dequantized_linear(torch::Tensor x, int64_t kind, torch::Tensor we
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   using S = ScratchRows<1>;  // a dequantized row: units of 32 k, no tail (K % 32 == 0)
-  const float one = 1.f;
-  Problem p{nullptr, 0, x.data_ptr(), K, M, N, K / S::kUnitK, 0, &one, 1.f,
+  Problem p{nullptr, 0, x.data_ptr(), K, M, N, K / S::kUnitK, 0, nullptr, 1.f,
             nullptr, 0, 0, nullptr, nullptr, b, y.data_ptr<bf16>()};
   const int64_t num_blocks = (N + kDqBlock - 1) / kDqBlock, ld_scratch = K * sizeof(bf16);
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> scratch(kDqBlock * K);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t n0 = blk * kDqBlock, rows = std::min<int64_t>(kDqBlock, N - n0);
-      for (int64_t r = 0; r < rows; ++r) dequantize_row(d, n0 + r, scratch.data() + r * K, 2 * kDqBlock, N);
-      // per_group: the store scales by scale_mul (1) alone, so y = the sum + bias
+      for (int64_t r = 0; r < rows; ++r) {
+        if (n0 + r + kDqAhead < N) prefetch_row(d, n0 + r + kDqAhead);
+        dequantize_row(d, n0 + r, scratch.data() + r * K);
+      }
+      // no per-row scale (the scratch holds the scaled weights): y = the sum + bias
       multiply_scratch<S, false, kDqRows, kDqBlock>(p, reinterpret_cast<const uint8_t*>(scratch.data()),
-                                                    ld_scratch, n0, rows, true);
+                                                    ld_scratch, n0, rows, false);
     }
   });
   return y;

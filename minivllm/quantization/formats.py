@@ -397,7 +397,8 @@ def packed_layout(packed: Tensor) -> str:
 
 
 # weight-only schemes: rows up to which quant_linear streams the weight, decoding it in
-# registers; past them the weight is dequantized to bf16 once per call for oneDNN's GEMM.
+# registers; past them the weight is dequantized to bf16 (dequantized_linear's blocks up
+# to MAX_DEQUANTIZED_ROWS, below, else once per call for oneDNN's GEMM).
 # Measured on a 2-core AMD EPYC (Zen 4), Qwen3-0.6B's linears from memory (2026-12-02):
 # int8 and fp8 stream faster up to 64 rows (0.9x dequantize + GEMM's time at 64, 0.3-0.6x
 # at 4-16); int4's group tiles only up to 8 (at 16 rows 1.2-1.5x the dequantize + GEMM).
@@ -431,7 +432,7 @@ def max_dequantized_rows(qw: QuantWeights) -> int:
 
 def max_kernel_rows(qw: QuantWeights) -> int:
     """Rows up to which `quant_linear` runs `qw`: past them a weight-only scheme is
-    dequantized for oneDNN's GEMM and int8_w8a8 runs a GEMM on its prepacked copy."""
+    dequantized (`max_dequantized_rows`) and int8_w8a8 runs a GEMM on its prepacked copy."""
     if qw.scheme == "int8_w8a8":
         return w8a8_max_kernel_rows(qw.packed)
     if qw.scheme == "fp8_w8a16" and qw.group_size:

@@ -11,12 +11,12 @@ pre-quantized checkpoint layer (`compressed_tensors.py`) arrives at the same
 machine and shape allow and the backend choice says so, else the plain-PyTorch
 reference, which is also the kernel's test oracle. Weight-only schemes at large
 batches (prefill) dequantize the weight to bf16 once per call (the compiled
-`dequantize_bf16`) and use the dense GEMM:
-there the step is compute-bound and oneDNN's bf16 GEMM is faster than converting in
-registers. Between the two, int4 and block-scaled fp8 batches (a few dozen rows) run
-`dequantized_linear`: the same numbers as dequantize + GEMM, a few rows of the weight
-dequantized at a time into a scratch, so the bf16 copy is never written out. int8_w8a8 at large batches runs a GEMM on its prepacked copy: our AMX kernel
-where the CPU has AMX-INT8, else our AVX512-VNNI GEMM.
+`dequantize_bf16`) and use the dense GEMM: there the step is compute-bound and
+oneDNN's bf16 GEMM is faster than converting in registers. Between the two, int4 and
+block-scaled fp8 batches (a few dozen rows) run `dequantized_linear`: the same numbers as
+dequantize + GEMM, a few rows of the weight dequantized at a time into a scratch, so the
+bf16 copy is never written out. int8_w8a8 at large batches runs a GEMM on its prepacked
+copy: our AMX kernel where the CPU has AMX-INT8, else our AVX512-VNNI GEMM.
 """
 
 from __future__ import annotations

@@ -59,8 +59,9 @@ class QuantizedMoEMethod:
         # (avx2_moe.cpp's moe_quantw), bf16 engines on the AVX512-BF16 one
         # (moe_quant.cpp's moe_quant_experts: int8_w8a8 at any step, with each expert's
         # prepacked copy past `kernel_rows`; the weight-only schemes at steps of up to
-        # `kernel_rows` tokens, past which an expert dequantizes for oneDNN, as the loop
-        # keeps doing); None: the routing loop in Python, an op per expert
+        # `kernel_rows` tokens, past which an expert runs `QuantizedLinearMethod.apply` in
+        # the loop, as its dense layers would); None: the routing loop in Python, an op
+        # per expert
         self.moe_op = None
         self.bf16_moe_op = None
         self.kernel_rows = 0
