@@ -401,8 +401,16 @@ def packed_layout(packed: Tensor) -> str:
 # to MAX_DEQUANTIZED_ROWS, below, else once per call for oneDNN's GEMM).
 # Measured on a 2-core AMD EPYC (Zen 4), Qwen3-0.6B's linears from memory (2026-12-02):
 # int8 and fp8 stream faster up to 64 rows (0.9x dequantize + GEMM's time at 64, 0.3-0.6x
-# at 4-16); int4's group tiles only up to 8 (at 16 rows 1.2-1.5x the dequantize + GEMM).
-MAX_STREAMING_ROWS = {"int8_w8a16": 64, "fp8_w8a16": 64, "int4_w4a16": 8, "int4_w4a8": 8}
+# at 4-16); int4's group tiles only up to 4 against dequantized_linear (2026-12-04, `python
+# benchmarks/dequantized_linear.py --rows 4 5 6 7 8`, ms a layer: 0.69 vs 1.05 at 4 rows,
+# 1.49 vs 1.29 at 5, 1.46 vs 1.20 at 6, 1.74 vs 1.40 at 8). int4_w4a8 runs the AVX2
+# family's op (which decides its own forms), never quant_linear.
+MAX_STREAMING_ROWS = {"int8_w8a16": 64, "fp8_w8a16": 64, "int4_w4a16": 4, "int4_w4a8": 8}
+# A MoE step's tokens spread over its experts, each of which sees a few of them: its one
+# call (moe_quant.cpp) and its experts in the routing loop keep quant_linear's exact
+# products up to 8 tokens for int4, where a dense int4 layer hands 5-8 rows to
+# dequantized_linear.
+MOE_ONE_CALL_ROWS = {"int4_w4a16": 8}
 # block-scaled fp8 (a scale per row and group of k): its group tiles against dequantize +
 # GEMM on the same VM (2026-12-04, `python benchmarks/block_fp8.py`'s shapes, 128-k
 # blocks): 1.2-1.8x faster at 8 rows, 0.9-1.2x at 16, 0.77-0.98x at 32, 0.74-0.81x at 64
@@ -428,6 +436,11 @@ def max_dequantized_rows(qw: QuantWeights) -> int:
     if qw.scheme == "fp8_w8a16" and qw.group_size:
         return MAX_DEQUANTIZED_ROWS["fp8_blocks"]
     return MAX_DEQUANTIZED_ROWS.get(qw.scheme, 0)
+
+
+def moe_one_call_rows(qw: QuantWeights) -> int:
+    """Tokens up to which a MoE layer of `qw`'s experts runs in one call (moe_quant.cpp)."""
+    return max(max_kernel_rows(qw), MOE_ONE_CALL_ROWS.get(qw.scheme, 0))
 
 
 def max_kernel_rows(qw: QuantWeights) -> int:

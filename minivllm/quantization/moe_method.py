@@ -184,7 +184,12 @@ class QuantizedMoEMethod:
         # expert intermediate size, is no multiple of 32 runs the reference: the loop then)
         bf16 = all(self.experts[part][0].op is not None for part in PARTS)
         self.bf16_moe_op = kernels.op("moe_quant_experts") if bf16 else None
-        self.kernel_rows = first.kernel_rows  # the scheme's, the same for every expert
+        # the scheme's, the same for every expert; the loop's experts take it too, so that
+        # the loop computes what the one call does (int4: exact products up to 8 rows)
+        self.kernel_rows = formats.moe_one_call_rows(first.quant_weights)
+        for part in PARTS:
+            for method in self.experts[part]:
+                method.kernel_rows = self.kernel_rows
         for part in PARTS:  # int8_w8a8's prepacked copies, one per expert, for the one call
             copies = [m.quant_weights.packed for m in self.experts[part]]
             self.packed[part] = copies if bf16 and None not in copies else []
