@@ -69,6 +69,7 @@ def get_cpu_kernels() -> ModuleType | None:
             "prefill_attention.cpp",
             "watermark.cpp",
             "quant_gemm.cpp",
+            "dequantize.cpp",
             "quant_w8a8.cpp",
             "amx_w8a8.cpp",
             "dsa.cpp",
