@@ -43,12 +43,7 @@ torch::Tensor route(torch::Tensor x, const torch::Tensor& topk_weights, const to
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = static_cast<int64_t>(tokens[e].size());
     if (n == 0) continue;
-    torch::Tensor xe = x;
-    if (n != T) {
-      const auto index = torch::from_blob(const_cast<int64_t*>(tokens[e].data()), {n}, torch::dtype(at::kLong));
-      xe = x.index_select(0, index);
-    }
-    const torch::Tensor y = down(e, avx2_silu_and_mul(up(e, xe))).contiguous();
+    const torch::Tensor y = down(e, avx2_silu_and_mul(up(e, expert_rows(x, tokens[e])))).contiguous();
     TORCH_CHECK(y.scalar_type() == at::kFloat && y.size(0) == n && y.size(1) == H, "down: [n, H] float32");
     const float* yp = y.data_ptr<float>();
     for (int64_t i = 0; i < n; ++i) {

@@ -81,9 +81,7 @@ torch::Tensor moe_quant_experts(torch::Tensor x, torch::Tensor topk_weights, tor
   for (int64_t e = 0; e < E; ++e) {
     const int64_t n = static_cast<int64_t>(tokens[e].size());
     if (n == 0) continue;
-    torch::Tensor xe = x;
-    if (n != T) xe = x.index_select(0, torch::from_blob(const_cast<int64_t*>(tokens[e].data()), {n}, torch::dtype(at::kLong)));
-    const auto gu = product(xe, e, r13, w13, s13, z13, ws13, packed13);
+    const auto gu = product(expert_rows(x, tokens[e]), e, r13, w13, s13, z13, ws13, packed13);
     const auto h = at::silu(gu.narrow(1, 0, I)) * gu.narrow(1, I, I);
     const auto y = product(h, e, H, w2, s2, z2, ws2, packed2);
     const at::BFloat16* yp = y.data_ptr<at::BFloat16>();

@@ -24,3 +24,11 @@ struct ExpertTokens {
 };
 ExpertTokens tokens_by_expert(const torch::Tensor& topk_weights, const torch::Tensor& topk_ids, int64_t T,
                               int64_t E);
+
+// The rows of x [T, H] one expert serves (its `tokens`, ascending): x itself when it serves
+// every token, else a gathered copy.
+inline torch::Tensor expert_rows(const torch::Tensor& x, const std::vector<int64_t>& tokens) {
+  const int64_t n = static_cast<int64_t>(tokens.size());
+  if (n == x.size(0)) return x;
+  return x.index_select(0, torch::from_blob(const_cast<int64_t*>(tokens.data()), {n}, torch::dtype(at::kLong)));
+}
