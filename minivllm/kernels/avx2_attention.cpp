@@ -180,7 +180,8 @@ void decode_all(const paged_decode::Shape& shape, const float* qp, const T* kp, 
   const int64_t Hq = shape.Hq, D = shape.D, NB = shape.NB, BS = shape.BS, G = shape.G;
   paged_decode::for_each_row_head(
       shape.B, shape.Hkv, sl, bt, shape.max_blocks, BS, window, CHUNK,
-      [&](int64_t b, int64_t h, const std::vector<Chunk>& chunks, std::vector<float>& scratch) {
+      [&](int64_t b, int64_t h, const std::vector<Chunk>& chunks, std::vector<float>& scratch,
+          const paged_decode::Next&) {
         attend_one(qp + (b * Hq + h * G) * D, kp + h * NB * BS * D, vp + h * NB * BS * D, chunks, G, D, sc,
                    op + (b * Hq + h * G) * D, scratch);
       },

@@ -60,16 +60,24 @@ inline void make_chunks(const int64_t* blocks, int64_t begin, int64_t end, int64
   }
 }
 
-// For every row b and KV head h, in parallel: attend(b, h, chunks, scratch) where row b
-// has tokens to attend to (its last `window` ones when window > 0), else empty(b, h).
+// The first chunk of the item a thread takes next (its KV head, and the chunk), so that an
+// attend can fetch it ahead while it works on its own last chunk; head < 0: none.
+struct Next {
+  int64_t head = -1;
+  Chunk chunk{0, 0};
+};
+
+// For every row b and KV head h, in parallel: attend(b, h, chunks, scratch, next) where row
+// b has tokens to attend to (its last `window` ones when window > 0), else empty(b, h).
 // Items run b-major, so a thread cuts each row's chunks once.
 template <class Attend, class Empty>
 void for_each_row_head(int64_t B, int64_t Hkv, const int64_t* seq_lens, const int64_t* block_tables,
                        int64_t max_blocks, int64_t BS, int64_t window, int64_t chunk, const Attend& attend,
                        const Empty& empty) {
+  auto first_token = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0; };
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
-    std::vector<Chunk> chunks;
+    std::vector<Chunk> chunks, ahead;
     int64_t chunks_of = -1;  // the row `chunks` was made for
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / Hkv, h = i % Hkv;
@@ -79,11 +87,21 @@ void for_each_row_head(int64_t B, int64_t Hkv, const int64_t* seq_lens, const in
         continue;
       }
       if (chunks_of != b) {
-        const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-        make_chunks(block_tables + b * max_blocks, first, seq_len, BS, chunk, chunks);
+        make_chunks(block_tables + b * max_blocks, first_token(b), seq_len, BS, chunk, chunks);
         chunks_of = b;
       }
-      attend(b, h, chunks, scratch);
+      Next next;
+      if (i + 1 < end) {
+        const int64_t nb = (i + 1) / Hkv;
+        if (nb == b) {
+          next = {(i + 1) % Hkv, chunks.front()};
+        } else if (seq_lens[nb] > 0) {
+          const int64_t first = first_token(nb);
+          make_chunks(block_tables + nb * max_blocks, first, std::min(seq_lens[nb], first + chunk), BS, chunk, ahead);
+          next = {0, ahead.front()};
+        }
+      }
+      attend(b, h, chunks, scratch, next);
     }
   });
 }
