@@ -11,6 +11,7 @@
 // -> SiLU-and-mul -> down; the residual stream is carried in bf16 as in the
 // Python path. A linear may be quantized (quant_gemm.cpp's formats): each has a kind,
 // 0 for bf16, and its scales and the like.
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
@@ -35,10 +36,14 @@ void write_cache(torch::Tensor& cache, int which, const at::BFloat16* src, int64
                  const int64_t* slots, int64_t B, int64_t Hkv, int64_t D) {
   const int64_t slots_per_head = cache.size(2) * cache.size(3);
   at::BFloat16* base = cache.data_ptr<at::BFloat16>() + which * Hkv * slots_per_head * D;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < Hkv; ++h)
-      std::memcpy(base + (h * slots_per_head + slots[b]) * D, src + b * row_stride + h * D,
-                  D * sizeof(at::BFloat16));
+  // split from 8 rows on: a decode batch's rows land in cache lines that are cold (mostly
+  // read for ownership from memory), which one thread waited out alone
+  at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t h = 0; h < Hkv; ++h)
+        std::memcpy(base + (h * slots_per_head + slots[b]) * D, src + b * row_stride + h * D,
+                    D * sizeof(at::BFloat16));
+  });
 }
 
 // y = x W^T + b on a oneDNN-prepacked weight (see layers/cpu_linear.py), through the

@@ -48,17 +48,22 @@ void add_row(const bf16* x, bf16* r, int64_t H) {
 
 }  // namespace
 
-// x: [rows, H] -> new tensor
+// x: [rows, H] -> new contiguous tensor. x may also be [T, heads, H] with each token's
+// heads contiguous but tokens further apart (q or k as a view into the fused qkv output,
+// for Qwen3's per-head norms): its rows are read in place rather than copied first.
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "bf16 only");
-  auto xc = x.contiguous();
+  const bool head_rows = x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && x.size(1) > 0;
+  auto xc = x.is_contiguous() || !head_rows ? x.contiguous() : x;
   const int64_t H = xc.size(-1), rows = xc.numel() / H;
-  auto out = torch::empty_like(xc);
+  const int64_t heads = xc.dim() == 3 ? xc.size(1) : 1, token_stride = xc.dim() == 3 ? xc.stride(0) : H;
+  auto out = torch::empty(xc.sizes(), xc.options());
   auto xp = xc.data_ptr<bf16>();
   auto wp = weight.data_ptr<bf16>();
   auto op = out.data_ptr<bf16>();
   at::parallel_for(0, rows, 64, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) rms_norm_row(xp + r * H, wp, op + r * H, H, (float)eps);
+    for (int64_t r = b; r < e; ++r)
+      rms_norm_row(xp + (r / heads) * token_stride + (r % heads) * H, wp, op + r * H, H, (float)eps);
   });
   return out;
 }
@@ -92,7 +97,8 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
   auto cp = cos.data_ptr<float>();
   auto sp = sin.data_ptr<float>();
   const int64_t D = x.size(2);
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+  // a decode batch's 16 tokens split in two (~10 us a layer's q and k on one thread)
+  at::parallel_for(0, T, 4, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const float* c = cp + pp[t] * rot;
       const float* s = sp + pp[t] * rot;
