@@ -146,6 +146,30 @@ def test_fused_ops_match_the_layers_plain_paths(hidden, head):
 
 
 @needs_kernel
+@pytest.mark.parametrize("tokens", [1, 5, 16, 70])
+def test_rms_norm_reads_per_head_views_in_place(tokens):
+    """Qwen3's per-head q/k norms take views into the fused qkv output (tokens further
+    apart than their heads): the kernel reads them where they are, and must give what the
+    same rows give copied out (bit for bit) and what the plain RMSNorm gives."""
+    from minivllm.layers.layernorm import RMSNorm
+
+    kernels = get_cpu_kernels()
+    gen = torch.Generator().manual_seed(tokens)
+    head, q_heads, kv_heads = 64, 4, 2
+    qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head, generator=gen).bfloat16()
+    weight = torch.randn(head, generator=gen).bfloat16()
+    norm = RMSNorm(head, 1e-6)
+    norm.weight.data = weight
+    for first, heads in ((0, q_heads), (q_heads * head, kv_heads)):
+        view = qkv[:, first : first + heads * head].view(tokens, heads, head)
+        assert tokens == 1 or not view.is_contiguous()  # one token: a view that is contiguous
+        got = kernels.rms_norm(view, weight, 1e-6)
+        assert got.is_contiguous() and got.shape == view.shape
+        assert torch.equal(got, kernels.rms_norm(view.contiguous(), weight, 1e-6))
+        torch.testing.assert_close(got.float(), norm(view.contiguous()).float(), atol=2e-2, rtol=2 * 2**-8)
+
+
+@needs_kernel
 @pytest.mark.parametrize(
     "num_context,num_query,group,dim,window",
     [
