@@ -229,7 +229,7 @@ torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_
   int8_t* q = xq.data_ptr<int8_t>();
   float* s = xs.data_ptr<float>();
   // each row is quantized whole, then its 64-k pieces go to their tiles' rows
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+  at::parallel_for(0, M, quantize_grain(K), [&](int64_t m0, int64_t m1) {
     std::vector<int8_t> row(ldx, 0);
     for (int64_t m = m0; m < m1; ++m) {
       s[m] = quantize_row_int8(xp + m * K, K, row.data());

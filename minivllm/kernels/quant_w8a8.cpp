@@ -45,10 +45,6 @@ float quantize_row(const bf16* x, int64_t K, Out* q, int offset) {
   return xs;
 }
 
-// Rows of x per thread when quantizing them: ~8K values, where a thread's share pays for
-// starting it.
-inline int64_t quantize_grain(int64_t K) { return std::max<int64_t>(1, 8192 / std::max<int64_t>(K, 1)); }
-
 #pragma GCC push_options
 #pragma GCC target("avx512vnni")
 
@@ -311,8 +307,6 @@ torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in
   const bf16* xp = x.data_ptr<bf16>();
   uint8_t* q = xu.data_ptr<uint8_t>();
   float* s = xs.data_ptr<float>();
-  // rows split once there are ~8K values a thread: a decode batch's 16 rows of 1024 were
-  // quantized on one thread (~0.8 ms of a 57 ms int8_w8a8 step, the other thread waiting)
   at::parallel_for(0, M, quantize_grain(K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) s[m] = quantize_row(xp + m * K, K, q + m * K, 128);
   });
