@@ -77,6 +77,11 @@ def test_engine_outputs_agree_with_and_without_kernels(qwen3_dir):
         (8, 64, 32, 0),  # two chunks per block; heads taken four at a time
         (7, 96, 16, 21),  # odd group, head_dim 96, a window starting mid-chunk
         (1, 256, 8, 0),
+        (1, 128, 16, 0),  # one head a KV head: the one-head scores at head_dim <= 128
+        (2, 32, 16, 0),
+        (3, 160, 16, 7),  # head_dim past 128: one head at a time
+        (2, 192, 16, 0),
+        (2, 224, 32, 0),
     ],
 )
 def test_paged_decode_attention_matches_a_reference(group, dim, block_size, window):
@@ -147,7 +152,8 @@ def test_fused_ops_match_the_layers_plain_paths(hidden, head):
 
 @needs_kernel
 @pytest.mark.parametrize("tokens", [1, 5, 16, 70])
-def test_rms_norm_reads_per_head_views_in_place(tokens):
+@pytest.mark.parametrize("head", [64, 40])  # 40: the scalar tail too
+def test_rms_norm_reads_per_head_views_in_place(tokens, head):
     """Qwen3's per-head q/k norms take views into the fused qkv output (tokens further
     apart than their heads): the kernel reads them where they are, and must give what the
     same rows give copied out (bit for bit) and what the plain RMSNorm gives."""
@@ -155,7 +161,7 @@ def test_rms_norm_reads_per_head_views_in_place(tokens):
 
     kernels = get_cpu_kernels()
     gen = torch.Generator().manual_seed(tokens)
-    head, q_heads, kv_heads = 64, 4, 2
+    q_heads, kv_heads = 4, 2
     qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head, generator=gen).bfloat16()
     weight = torch.randn(head, generator=gen).bfloat16()
     norm = RMSNorm(head, 1e-6)

@@ -36,8 +36,9 @@ void write_cache(torch::Tensor& cache, int which, const at::BFloat16* src, int64
                  const int64_t* slots, int64_t B, int64_t Hkv, int64_t D) {
   const int64_t slots_per_head = cache.size(2) * cache.size(3);
   at::BFloat16* base = cache.data_ptr<at::BFloat16>() + which * Hkv * slots_per_head * D;
-  // split from 8 rows on: a decode batch's rows land in cache lines that are cold (mostly
-  // read for ownership from memory), which one thread waited out alone
+  // split past 4 rows: a decode batch's rows land in cache lines that are cold (mostly
+  // read for ownership from memory), which one thread waited out alone. The slots must be
+  // distinct (the scheduler's are), or two threads would write the same row.
   at::parallel_for(0, B, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t h = 0; h < Hkv; ++h)

@@ -20,11 +20,11 @@
 //   version of this kernel measured a within-row prefetch slower (into L1 or L2, ~22
 //   against ~27 GB/s without). The two-pass kernel this replaces read
 //   ~13.5 GB/s even in order;
+// - a chunk's 16 scores per head come from 16 dot-product accumulators summed in one
+//   transposing tree (45 shuffles and adds instead of 16 horizontal sums);
 // - the work per chunk is kept small, since what the memory cannot overlap adds up:
 //   from L3 (one layer's cache) the kernel ran 44.6 GB/s before the three changes below
 //   and 57-62 after, and from memory ~19 before and ~20-22 after (this VM, 16 x 192):
-//   - a chunk's 16 scores per head come from 16 dot-product accumulators summed in one
-//     transposing tree (45 shuffles and adds instead of 16 horizontal sums);
 //   - two heads of a group share each key row's load (D <= 128), and full chunks
 //     address their rows without clamping;
 //   - values widen bf16 -> float as 32-bit pairs (a shift for the even dim, a mask for
@@ -76,6 +76,14 @@ inline void chunk_scores(const bf16* q, const bf16* k, int n, __m512* s) {
     s[0] = _mm512_shuffle_f32x4(tree[0], tree[1], _MM_SHUFFLE(1, 0, 1, 0));
     s[1] = _mm512_shuffle_f32x4(tree[0], tree[1], _MM_SHUFFLE(3, 2, 3, 2));
   }
+}
+
+template <int ND, int GT>
+inline void scores_of(const bf16* q, const bf16* k, int n, __m512* s) {
+  if (n == CHUNK)
+    chunk_scores<ND, GT, true>(q, k, n, s);
+  else
+    chunk_scores<ND, GT, false>(q, k, n, s);
 }
 
 // The running sums keep each 32 dims of a head as their 16 even dims, then their 16 odd
@@ -193,22 +201,12 @@ void attend_one(const bf16* q, const bf16* k_head, const bf16* v_head, const std
     const __mmask16 valid = static_cast<__mmask16>((1u << c.n) - 1);
     for (int64_t g = 0; g < G;) {
       __m512 s[2];
-      int heads = 1;
-      if constexpr (ND <= 4) {  // two heads' query vectors and 16 sums fit in the registers
-        if (G - g >= 2) heads = 2;
-      }
-      if (heads == 2) {
-        if constexpr (ND <= 4) {
-          if (c.n == CHUNK)
-            chunk_scores<ND, 2, true>(q + g * D, k, c.n, s);
-          else
-            chunk_scores<ND, 2, false>(q + g * D, k, c.n, s);
-        }
-      } else if (c.n == CHUNK) {
-        chunk_scores<ND, 1, true>(q + g * D, k, c.n, s);
-      } else {
-        chunk_scores<ND, 1, false>(q + g * D, k, c.n, s);
-      }
+      // two heads at once where their query vectors and 16 sums fit in the registers
+      const int heads = ND <= 4 && G - g >= 2 ? 2 : 1;
+      if (heads == 2)
+        scores_of<ND, ND <= 4 ? 2 : 1>(q + g * D, k, c.n, s);
+      else
+        scores_of<ND, 1>(q + g * D, k, c.n, s);
       for (int j = 0; j < heads; ++j, ++g) {
         const __m512 sg = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, _mm512_mul_ps(s[j], sc));
         const float m_new = std::max(m[g], _mm512_reduce_max_ps(sg));

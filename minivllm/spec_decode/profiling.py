@@ -36,13 +36,13 @@ def profile_step_cost(runner: ModelRunner, num_blocks: int) -> CostCurve:
     )
     points, size = {}, 1
     while True:
-        points[size] = _time_dummy_step(runner, size, 1)
+        points[size] = _time_dummy_step(runner, size, 1, num_blocks)
         if size >= largest:
             break
         size = min(2 * size, largest)
     # rows at a long context: all read the same blocks (block tables may share them)
     context = min(sched.max_model_len, num_blocks * runner.block_size, 512)
-    extra = _time_dummy_step(runner, largest, context) - points[largest] if context > 1 else 0.0
+    extra = _time_dummy_step(runner, largest, context, num_blocks) - points[largest] if context > 1 else 0.0
     per_pair = max(extra, 0.0) / (largest * max(context - 1, 1))
     points, per_pair = broadcast_object((points, per_pair))
     curve = CostCurve.from_points(points, per_pair)
@@ -54,15 +54,16 @@ def profile_step_cost(runner: ModelRunner, num_blocks: int) -> CostCurve:
     return curve
 
 
-def _time_dummy_step(runner: ModelRunner, num_tokens: int, context: int) -> float:
+def _time_dummy_step(runner: ModelRunner, num_tokens: int, context: int, num_blocks: int) -> float:
     """Every row is the last token of a `context`-token sequence held in blocks 0, 1, ...;
-    each writes its own key and value to the same slot, and what the cache held before
-    (nothing any request owns yet: this runs before the first step) is only read."""
+    each writes its key and value to a slot of its own (the KV writes split rows across
+    threads, so slots must differ, as the scheduler's do). What the rows read back is
+    garbage either way: nothing any request owns yet, as this runs before the first step."""
     size = runner.block_size
     blocks = list(range(-(-context // size)))
-    slot = blocks[-1] * size + (context - 1) % size
+    num_slots = num_blocks * size
     common = build_common_metadata(
-        [slot] * num_tokens,
+        [i % num_slots for i in range(num_tokens)],
         list(range(num_tokens + 1)),
         [context] * num_tokens,
         [blocks] * num_tokens,
