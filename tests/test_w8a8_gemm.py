@@ -74,13 +74,15 @@ def test_pack_vnni_w8a8_puts_each_weight_where_the_gemm_reads_it():
 @needs_vnni
 @pytest.mark.parametrize("layout", ["vnni", "amx"])
 @pytest.mark.parametrize(
-    "rows, n, k", [(1, 32, 64), (5, 40, 96), (13, 100, 1040), (70, 64, 512), (300, 48, 2048)]
+    "rows, n, k",
+    [(1, 32, 64), (5, 40, 96), (13, 100, 1040), (16, 200, 256), (70, 64, 512), (300, 48, 2048)],
 )
 def test_w8a8_gemms_on_packed_copies_match_the_reference(layout, rows, n, k):
     """Our int8_w8a8 GEMMs (w8a8_packed_linear on formats.prepack_w8a8's layouts): exact
     int32 sums (the VNNI GEMM's unsigned x + 128, less 128 x the weight's row sums; AMX's
     signed tiles), the per-token and per-channel scales and the bias applied as each tile
-    leaves the registers. Partial tiles of rows, outputs and k, and x in several chunks.
+    leaves the registers. Partial tiles of rows, outputs and k, x in several chunks, and
+    threads with several panels each (16 rows: the next panel prefetched as one is read).
     The VNNI GEMM scales in the reference's order: its numbers bit for bit."""
     if layout == "amx" and not _amx_available():
         pytest.skip("CPU (or Linux) lacks AMX-INT8")
