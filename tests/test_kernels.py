@@ -88,15 +88,18 @@ def test_paged_decode_attention_matches_a_reference(group, dim, block_size, wind
     kernels = get_cpu_kernels()
     gen = torch.Generator().manual_seed(window + dim)
     num_kv, blocks_per_seq = 2, 96 // block_size  # up to 96 tokens a request
-    num_blocks = 3 * blocks_per_seq + 2
+    num_blocks = 4 * blocks_per_seq + 2
     k_cache = torch.randn(num_kv, num_blocks, block_size, dim, generator=gen).bfloat16()
     v_cache = torch.randn(num_kv, num_blocks, block_size, dim, generator=gen).bfloat16()
-    block_tables = torch.randperm(num_blocks, generator=gen)[: 3 * blocks_per_seq].view(3, -1)
-    seq_lens = torch.tensor([71, 2, 96])
+    block_tables = torch.randperm(num_blocks, generator=gen)[: 4 * blocks_per_seq].view(4, -1)
+    # row 1 has nothing to attend to (zeros out): the thread before it must not fetch
+    # ahead into it, and the one after it starts cleanly
+    seq_lens = torch.tensor([71, 0, 2, 96])
     # larger queries make peaked softmaxes, so the online max's rescaling matters
-    q = (4 * torch.randn(3, num_kv * group, dim, generator=gen)).bfloat16()
+    q = (4 * torch.randn(4, num_kv * group, dim, generator=gen)).bfloat16()
     got = kernels.paged_attention_decode(q, k_cache, v_cache, block_tables, seq_lens, 0.125, window)
-    for b in range(3):
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    for b in (0, 2, 3):
         n = int(seq_lens[b])
         slots = [
             int(block_tables[b, t // block_size]) * block_size + t % block_size for t in range(n)
