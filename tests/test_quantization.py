@@ -163,13 +163,13 @@ needs_kernels = pytest.mark.skipif(
 
 
 @needs_kernels
-@pytest.mark.parametrize("quantization", ["int8", "int8_w8a8", "fp8", "int4"])
+@pytest.mark.parametrize("quantization", ["int8", "int8_w8a8", "fp8", "int4", "int4_w4a8"])
 def test_bf16_kernels_agree_with_the_reference_backend(make_checkpoint, quantization) -> None:
     """The same quantized bf16 model with our kernels and with the plain-PyTorch reference:
     both round each layer's float32 sums once to bf16, so logprobs differ only by bf16
     rounding propagated through 2 layers (well under 0.05 at this size)."""
     model_dir = make_checkpoint("Qwen3ForCausalLM")
-    options = SMALL_GROUPS if quantization == "int4" else None
+    options = SMALL_GROUPS if quantization.startswith("int4") else None
     scheme = {"int8": "int8_w8a16", "fp8": "fp8_w8a16", "int4": "int4_w4a16"}.get(
         quantization, quantization
     )
@@ -215,7 +215,7 @@ def test_large_batches_dequantize_like_the_reference(make_checkpoint, quantizati
     from minivllm.quantization import formats
 
     model_dir = make_checkpoint("Qwen3ForCausalLM")
-    options = SMALL_GROUPS if quantization == "int4" else None
+    options = SMALL_GROUPS if quantization.startswith("int4") else None
     llm = _engine(
         model_dir, dtype="bfloat16", quantization=quantization, quantization_config=options
     )
@@ -284,8 +284,15 @@ def test_int4_w4a8_on_bf16_rows_runs_the_avx2_op_like_the_reference() -> None:
 
 
 @needs_kernels
-def test_int4_w4a8_in_a_bf16_engine_takes_the_avx2_op(make_checkpoint) -> None:
-    """A bf16 engine (AVX512-BF16) gives int4_w4a8 the AVX2 family's op, not the reference."""
+def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_and_experts_borrow_the_avx2_op(
+    make_checkpoint,
+) -> None:
+    """A bf16 engine on a CPU with AVX512-VNNI gives int4_w4a8's dense layers the GEMM on
+    their prepacked panels (every batch: the fused decode step and prefill), and a MoE
+    layer's routed experts, which have no kernel on panels, the AVX2 family's op."""
+    from minivllm.quantization.config import SchemeSpec
+    from minivllm.quantization.method import QuantizedLinearMethod
+
     llm = _engine(
         make_checkpoint("Qwen3ForCausalLM"),
         dtype="bfloat16",
@@ -293,6 +300,17 @@ def test_int4_w4a8_in_a_bf16_engine_takes_the_avx2_op(make_checkpoint) -> None:
         quantization_config=SMALL_GROUPS,
     )
     method = _layers(llm)["model.layers.0.mlp.down_proj"]
-    assert method.backend == "cpu_kernel" and method.fp32_op is not None
+    assert method.backend == "cpu_kernel" and method.fp32_op is None
+    qw = method.quant_weights
+    assert qw.packed is not None and torch.equal(qw.packed, formats.pack_vnni_w4a8(qw))
+    assert "int4_w4a8_packed_linear" in method.op_name
     [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     assert len(out.outputs[0].token_ids) == 3
+    expert = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 32))
+    expert.routed_expert = True
+    expert.use(formats.quantize(torch.randn(40, 64), "int4_w4a8", 32), method_kernels(llm))
+    assert expert.fp32_op is not None and expert.packed_op is None
+
+
+def method_kernels(llm: LLM):
+    return llm.llm_engine.executor.runner.kernels

@@ -66,7 +66,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One linear layer's weight as the step reads it: bf16 (kind 0, with its oneDNN-packed
 // copy or an empty tensor), or quantized (quant_linear's kinds) with [scale, zero, wsum,
 // packed] in `quant` (empty tensors for none; packed: int8_w8a8's copy in one of
-// formats.PACKED_LAYOUTS).
+// formats.PACKED_LAYOUTS, or int4_w4a8's panels, formats.pack_vnni_w4a8).
 struct Linear {
   const torch::Tensor& w;
   const torch::Tensor& bias;
@@ -76,8 +76,9 @@ struct Linear {
 };
 
 // The weight-streaming kernels up to their row limits; past them a GEMM: oneDNN's on bf16's
-// packed copy, ours on int8_w8a8's, and for the weight-only schemes, as
-// QuantizedLinearMethod.apply does, dequantized_linear up to formats.max_dequantized_rows
+// packed copy, ours on int8_w8a8's and int4_w4a8's (whose limit is 0: every batch), and
+// for the weight-only schemes, as QuantizedLinearMethod.apply does, dequantized_linear up
+// to formats.max_dequantized_rows
 // (int4, block-scaled fp8), then oneDNN's on the weight dequantized to bf16.
 // max_quant_rows[kind]: formats.max_kernel_rows, block-scaled fp8's (kind 3 with a 2-D
 // scale) at index FP8_BLOCKS_ROWS; then the two dequantized_linear limits.
@@ -95,6 +96,7 @@ torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel
   const bool fp8_blocks = l.kind == 3 && group_size > 0;
   if (x.size(0) > max_quant_rows[fp8_blocks ? FP8_BLOCKS_ROWS : l.kind]) {
     if (l.kind == 4) return w8a8_packed_linear(x, *packed, l.w.size(1), *scale, *wsum, maybe(l.bias));
+    if (l.kind == 5) return int4_w4a8_packed_linear(x, *packed, scale->size(0), group_size, maybe(l.bias));
     const int64_t dequantized = l.kind == 2 ? max_quant_rows[INT4_DEQUANTIZED_ROWS]
                                 : fp8_blocks ? max_quant_rows[FP8_BLOCKS_DEQUANTIZED_ROWS]
                                              : 0;
@@ -145,13 +147,13 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
   TORCH_CHECK(static_cast<int64_t>(quant_kinds.size()) == L * 4, "quant_kinds: one per linear");
   TORCH_CHECK(static_cast<int64_t>(quant.size()) == L * 16, "quant: scale, zero, wsum, packed per linear");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "one window per layer");
-  // one per formats.KERNEL_KIND (kind 5 is the AVX2 family's, never a layer's here), then
-  // block-scaled fp8's, then int4's and block-scaled fp8's dequantized_linear limits
+  // one per formats.KERNEL_KIND, then block-scaled fp8's, then int4's and block-scaled
+  // fp8's dequantized_linear limits
   TORCH_CHECK(static_cast<int64_t>(max_quant_rows.size()) == FP8_BLOCKS_DEQUANTIZED_ROWS + 1,
               "max_quant_rows: one per quant kind 0-5, block-scaled fp8's, then int4's and block-scaled "
               "fp8's dequantized_linear limits");
   for (int64_t kind : quant_kinds)
-    TORCH_CHECK(kind >= 0 && kind <= 4, "quant_kinds: 0 (bf16) to 4 (int8_w8a8), got ", kind);
+    TORCH_CHECK(kind >= 0 && kind <= 5, "quant_kinds: 0 (bf16) to 5 (int4_w4a8), got ", kind);
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "hidden: bf16 [B, H]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "slots: int64");
   const int64_t B = hidden.size(0), D = head_dim;

@@ -82,6 +82,7 @@ register_family(
             "amx_w8a8_linear",
             "vnni_w8a8_linear",
             "w8a8_packed_linear",
+            "int4_w4a8_packed_linear",
             "dsa_indexer_topk",
             "sparse_mla_decode",
             "moe_experts",

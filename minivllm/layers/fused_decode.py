@@ -299,7 +299,8 @@ class FusedLlamaDecode(_DecodeStep):
         self.quant_kinds.append(weights.kind)
         self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
         self.quant.append(_or(weights.packed, none))
-        if weights.packed is not None:  # int8_w8a8's copy: the AMX kernel's or the VNNI GEMM's
+        if weights.packed is not None and weights.kind == KIND_INT8_W8A8:
+            # int8_w8a8's copy: the AMX kernel's or the VNNI GEMM's
             # one threshold serves every layer: use() packs them all alike on a machine
             layout = packed_layout(weights.packed)
             assert self._w8a8_layout in (None, layout), "int8_w8a8 layers packed two ways"

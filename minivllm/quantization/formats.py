@@ -34,7 +34,7 @@ KIND_INT8_W8A16 = 1
 KIND_INT4_W4A16 = 2
 KIND_FP8_W8A16 = 3
 KIND_INT8_W8A8 = 4
-KIND_INT4_W4A8 = 5  # the AVX2 family's linear_quantw only
+KIND_INT4_W4A8 = 5
 KERNEL_KIND = {
     "int8_w8a16": KIND_INT8_W8A16,
     "int4_w4a16": KIND_INT4_W4A16,
@@ -55,9 +55,9 @@ class QuantWeights:
 
     `zero` is int4's per-group zero point (None: symmetric, 8), `wsum` int8_w8a8's row
     sums of q, `group_size` int4's k per scale (0 for per-channel schemes). `packed` is a
-    prepacked int8 copy for large int8_w8a8 batches (`prepack_w8a8`: our AMX or VNNI
-    GEMM's layout); it is derived, so `tensors()` leaves it out and a rebuilt
-    QuantWeights prepacks anew.
+    prepacked copy for our GEMMs: int8_w8a8's for large batches (`prepack_w8a8`: the AMX
+    or VNNI GEMM's layout), int4_w4a8's for every batch (`prepack_w4a8`); it is derived,
+    so `tensors()` leaves it out and a rebuilt QuantWeights prepacks anew.
     """
 
     scheme: str
@@ -336,19 +336,21 @@ def reference_linear(x: Tensor, qw: QuantWeights, bias: Tensor | None = None) ->
 
 def kernel_supports(scheme: str) -> bool:
     """Whether this CPU runs `scheme`'s bf16 kernel (quant_linear): AVX512-BF16, and
-    AVX512-VNNI for int8_w8a8. int4_w4a8 has none (bf16 engines borrow the AVX2 family's
-    fp32 op for it, `QuantizedLinearMethod.choose_backend`)."""
+    AVX512-VNNI for the schemes that multiply int8 activations (int8_w8a8, int4_w4a8;
+    where a bf16 engine's CPU lacks VNNI, int4_w4a8 borrows the AVX2 family's fp32 op,
+    `QuantizedLinearMethod.choose_backend`)."""
     from minivllm.kernels.isa import cpu_flags, cpu_has_avx512_bf16
 
-    if scheme not in SCHEMES or scheme == "int4_w4a8":
+    if scheme not in SCHEMES:
         return False
-    return cpu_has_avx512_bf16() and (scheme != "int8_w8a8" or "avx512_vnni" in cpu_flags())
+    vnni = scheme not in ("int8_w8a8", "int4_w4a8") or "avx512_vnni" in cpu_flags()
+    return cpu_has_avx512_bf16() and vnni
 
 
 def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) -> bool:
     """The bf16 kernels' shape precondition: K a multiple of 32, and for int4 a group size
     that is a multiple of 32 dividing K; fp8 per channel, or block-scaled with groups of a
-    multiple of 64 k (its unit) dividing K (other groups run the AVX2 family's op, in bf16
+    multiple of 64 k (its unit) dividing K (other blocks run the AVX2 family's op, in bf16
     engines too). Elsewhere use `reference_linear`."""
     if in_features <= 0 or in_features % 32:
         return False
@@ -378,6 +380,13 @@ VNNI_PANEL = 32  # output rows per panel of pack_vnni_w8a8's layout
 PACKED_LAYOUTS = ("amx", "vnni")
 
 
+def prepack_w4a8(qw: QuantWeights) -> None:
+    """Fill `qw.packed` with int4_w4a8's panels (`pack_vnni_w4a8`) for its VNNI GEMM."""
+    if qw.scheme != "int4_w4a8":
+        raise ValueError(f"prepack_w4a8 packs int4_w4a8 weights, not {qw.scheme}")
+    qw.packed = pack_vnni_w4a8(qw)
+
+
 def prepack_w8a8(qw: QuantWeights, layout: str) -> None:
     """Fill `qw.packed` with a copy of the int8 weight for large batches in `layout`: our
     AMX kernel's (`pack_amx_w8a8`) or our VNNI GEMM's (`pack_vnni_w8a8`)."""
@@ -389,6 +398,35 @@ def prepack_w8a8(qw: QuantWeights, layout: str) -> None:
         qw.packed = pack_vnni_w8a8(qw.weight)
     else:
         raise ValueError(f"packed layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
+
+
+W4A8_PANEL = 16  # weight rows per panel of pack_vnni_w4a8
+
+
+def pack_vnni_w4a8(qw: QuantWeights) -> Tensor:
+    """int4 weights in the layout int4_w4a8.cpp's panel GEMM reads: uint8 [ceil(N/16),
+    K/8 * 64 + groups * 128]. Panel p holds rows n = 16p + i (zeros past N): per 8 k, 64
+    bytes, byte 4i + j = q[n, 8s + j] | q[n, 8s + 4 + j] << 4 (one vpdpbusd multiplies the
+    low nibbles, k 8s .. 8s + 3 of 16 rows, by 4 broadcast bytes of x; the high ones the
+    next 4 k); then the panel's scales and zero points (8 where symmetric) as float32
+    [groups, 16] each. A copy made at load (`qw.packed`), as int8_w8a8's."""
+    if qw.scheme not in INT4_SCHEMES:
+        raise ValueError(f"pack_vnni_w4a8 packs int4 weights, not {qw.scheme}")
+    n, k, groups = qw.out_features, qw.in_features, qw.in_features // qw.group_size
+    if k % 8:
+        raise ValueError(f"pack_vnni_w4a8 needs K a multiple of 8, got {k}")
+    pad = -n % W4A8_PANEL
+    q = torch.nn.functional.pad(unpack_int4(qw.weight), (0, 0, 0, pad))
+    q = q.view(-1, W4A8_PANEL, k // 8, 2, 4).permute(0, 2, 1, 3, 4)  # p s i half j
+    weights = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(q.shape[0], -1)
+    zero = torch.full_like(qw.scale, INT4_SYMMETRIC_ZERO) if qw.zero is None else qw.zero
+
+    def per_panel(t: Tensor) -> Tensor:  # [N, groups] -> bytes of [panels, groups, 16]
+        t = torch.nn.functional.pad(t.to(torch.float32), (0, 0, 0, pad))
+        t = t.view(-1, W4A8_PANEL, groups).transpose(1, 2).contiguous()
+        return t.view(t.shape[0], -1).view(torch.uint8)
+
+    return torch.cat((weights, per_panel(qw.scale), per_panel(zero)), dim=1).contiguous()
 
 
 def packed_layout(packed: Tensor) -> str:
@@ -403,9 +441,12 @@ def packed_layout(packed: Tensor) -> str:
 # int8 and fp8 stream faster up to 64 rows (0.9x dequantize + GEMM's time at 64, 0.3-0.6x
 # at 4-16); int4's group tiles only up to 4 against dequantized_linear (2026-12-04, `python
 # benchmarks/dequantized_linear.py --rows 4 5 6 7 8`, ms a layer: 0.69 vs 1.05 at 4 rows,
-# 1.49 vs 1.29 at 5, 1.46 vs 1.20 at 6, 1.74 vs 1.40 at 8). int4_w4a8 runs the AVX2
-# family's op (which decides its own forms), never quant_linear.
-MAX_STREAMING_ROWS = {"int8_w8a16": 64, "fp8_w8a16": 64, "int4_w4a16": 4, "int4_w4a8": 8}
+# 1.49 vs 1.29 at 5, 1.46 vs 1.20 at 6, 1.74 vs 1.40 at 8). int4_w4a8 is not
+# weight-only (its activations are rounded to int8 per group, which a dequantized weight
+# times bf16 x would skip) and never runs quant_linear: its GEMM on the prepacked panels
+# (int4_w4a8.cpp) takes every batch, and where that cannot run (no AVX512-VNNI, routed
+# experts) the AVX2 family's op decides its own forms.
+MAX_STREAMING_ROWS = {"int8_w8a16": 64, "fp8_w8a16": 64, "int4_w4a16": 4, "int4_w4a8": 0}
 # A MoE step's tokens spread over its experts, each of which sees a few of them: its one
 # call (moe_quant.cpp) and its experts in the routing loop keep quant_linear's exact
 # products up to 8 tokens for int4, where a dense int4 layer hands 5-8 rows to

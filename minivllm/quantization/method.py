@@ -64,6 +64,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.kernel_op = None  # the compiled quant_linear the engine offered, used or not
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
+        # one of a MoE layer's routed experts (QuantizedMoEMethod sets it): int4_w4a8 has
+        # no MoE kernel on its panels, so an expert's borrows the AVX2 family's op
+        self.routed_expert = False
 
     @property
     def kernels_on(self) -> bool:
@@ -119,6 +122,11 @@ class QuantizedLinearMethod(LinearMethodBase):
             amx = kernels.op("amx_w8a8_available")
             formats.prepack_w8a8(qw, "amx" if amx is not None and amx() else "vnni")
             self.packed_op = kernels.op("w8a8_packed_linear")
+        if self.op is not None and qw.scheme == "int4_w4a8":
+            # its GEMM reads only the panels, streamed at every decode step: huge pages
+            formats.prepack_w4a8(qw)
+            qw.packed = huge_pages.weights_arena().copy(qw.packed)
+            self.packed_op = kernels.op("int4_w4a8_packed_linear")
         self.kernel_rows = formats.max_kernel_rows(qw)
         self.dequantized_rows = formats.max_dequantized_rows(qw)
         self.quant_weights = qw
@@ -128,6 +136,8 @@ class QuantizedLinearMethod(LinearMethodBase):
         """What runs `apply`, in words, for the log."""
         if self.fp32_op is not None:
             return "cpu_kernel (the AVX2 family's linear_quantw, float32 activations)"
+        if self.op is not None and self.spec.scheme == "int4_w4a8":
+            return "cpu_kernel (int4_w4a8_packed_linear, int8 activations on AVX512-VNNI)"
         if self.op is not None:
             return "cpu_kernel (quant_linear, bfloat16 activations)"
         return "torch (the plain-PyTorch reference)"
@@ -141,16 +151,25 @@ class QuantizedLinearMethod(LinearMethodBase):
         # multiplied in fp32 (int8_w8a8: on its quantized activations, `_apply_fp32`)
         fp32_op = kernels.op("linear_quantw")
         cpu = kernels.key is not None and kernels.key.device == "cpu"
-        borrow = qw.scheme == "int4_w4a8" or (
+        borrow = (
+            qw.scheme == "int4_w4a8"
+            and not (
+                formats.kernel_supports(qw.scheme)
+                and formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
+                and not self.routed_expert
+            )
+        ) or (
             qw.scheme == "fp8_w8a16"
             and qw.group_size > 0
             and not formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
         )
         if fp32_op is None and borrow and cpu:
-            # no bf16 kernel of its own (int4_w4a8, fp8 blocks of other than a multiple of
-            # 64 k): every CPU with AVX-512 has AVX2 too, so bf16 engines run the AVX2
-            # family's op on rows converted to fp32 (the reference's numbers: the same
-            # rounding of x, fp32 sums rounded once to bf16)
+            # no bf16 kernel for it here (int4_w4a8 without AVX512-VNNI, or a routed
+            # expert's, which the MoE kernels take in the rows' layout; fp8 blocks of other
+            # than a multiple of 64 k):
+            # every CPU with AVX-512 has AVX2 too, so bf16 engines run the AVX2 family's op
+            # on rows converted to fp32 (the reference's numbers: the same rounding of x,
+            # fp32 sums rounded once to bf16)
             from minivllm.kernels import get_avx2_kernels
 
             avx2 = get_avx2_kernels()
@@ -188,7 +207,9 @@ class QuantizedLinearMethod(LinearMethodBase):
             return out.to(x.dtype).view(*x.shape[:-1], qw.out_features)
         if self.op is None or x.dtype != torch.bfloat16:
             return formats.reference_linear(x, qw, bias)
-        if rows.shape[0] <= self.kernel_rows:
+        if qw.scheme == "int4_w4a8":  # every batch on the panels (int4_w4a8.cpp)
+            out = self.packed_op(rows, qw.packed, qw.out_features, qw.group_size, bias)
+        elif rows.shape[0] <= self.kernel_rows:
             out = self.op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
         elif qw.scheme == "int8_w8a8":
             out = self.packed_op(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
@@ -309,10 +330,11 @@ def _why_not(op: object, qw: formats.QuantWeights) -> str:
             "without AVX2 + FMA for float32, without AVX512-BF16 for bfloat16)"
         )
     if not formats.kernel_supports(qw.scheme):
-        return "this CPU lacks the instructions it needs (int8_w8a8: AVX512-VNNI)"
+        return "this CPU lacks the instructions it needs (int8_w8a8, int4_w4a8: AVX512-VNNI)"
     return (
         f"the layer's shape (input {qw.in_features}, group {qw.group_size}) is not one the "
-        "kernel takes (input a multiple of 32; int4 groups of a multiple of 32; fp8 per "
+        "kernel takes (input a multiple of 32; int4 groups of a multiple of 32, int4_w4a8's "
+        "of 128; fp8 per "
         "channel or in blocks of a multiple of 64 k dividing the input, other blocks on "
         "the AVX2 op)"
     )

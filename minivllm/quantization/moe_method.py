@@ -174,6 +174,7 @@ class QuantizedMoEMethod:
                     out_features=rows,
                 )
                 method = QuantizedLinearMethod(self.spec, self.requested_backend, self.source)
+                method.routed_expert = True
                 method.dtype = self.dtype
                 method.use(view, kernels)
                 self.experts[part].append(method)
