@@ -43,6 +43,7 @@ from minivllm.quantization.formats import (
     max_kernel_rows,
     pack_int4,
     pack_vnni_w8a8,
+    prepack_w4a8,
     prepack_w8a8,
     quantize,
     quantize_per_token,
@@ -382,7 +383,9 @@ class _KernelQuantMethod(LinearMethodBase):
     def apply(self, layer, x, bias):
         kernels, qw = get_cpu_kernels(), self.quant_weights
         rows = x.reshape(-1, qw.in_features)
-        if rows.shape[0] > max_kernel_rows(qw) and qw.scheme == "int8_w8a8":
+        if qw.scheme == "int4_w4a8":  # every batch on its panels
+            y = kernels.int4_w4a8_packed_linear(rows, qw.packed, qw.out_features, qw.group_size, bias)
+        elif rows.shape[0] > max_kernel_rows(qw) and qw.scheme == "int8_w8a8":
             y = kernels.w8a8_packed_linear(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
         elif max_kernel_rows(qw) < rows.shape[0] <= max_dequantized_rows(qw):
             args = (qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias)
@@ -400,19 +403,23 @@ class _KernelQuantMethod(LinearMethodBase):
 @needs_vnni
 @pytest.mark.parametrize("packing", ["amx", "vnni"])
 def test_fused_decode_with_quantized_linears_equals_the_per_layer_path(make_checkpoint, packing):
-    """Every quant kind in one model (a kind per linear): the one-call decode step and the
-    per-layer path run the same kernels, so their outputs are equal bit for bit."""
+    """Every quant kind in one model (a kind per linear, int4_w4a8's panels too): the
+    one-call decode step and the per-layer path run the same kernels, so their outputs are
+    equal bit for bit."""
     if packing == "amx" and not _amx_available():
         pytest.skip("CPU (or Linux) lacks AMX-INT8")
     llm = _decode_engine(make_checkpoint)
     runner = llm.llm_engine.executor.runner
-    formats = [f for f in FORMATS if f[0] != "int4_w4a16" or f[2] == 32] + [("int4_w4a16", 0, 64)]
+    formats = [f for f in FORMATS if f[0] != "int4_w4a16" or f[2] == 32]
+    formats += [("int4_w4a16", 0, 64), ("int4_w4a8", 0, 32)]
     linears = [lin for layer in runner.model.decoder_stack_parts().layers for lin in layer.linears]
     for i, linear in enumerate(linears):
         scheme, symmetric, group = formats[i % len(formats)]
         qw = _quantize(scheme, bool(symmetric), group, linear.weight.float())
         if scheme == "int8_w8a8":  # batches past w8a8_max_kernel_rows run the packed copy
             prepack_w8a8(qw, packing)
+        if scheme == "int4_w4a8":  # every batch on its panels (kind 5 in the step)
+            prepack_w4a8(qw)
         linear.quant_method = _KernelQuantMethod(qw)
     _assert_fused_equals_per_layer(llm)
 

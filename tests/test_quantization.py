@@ -260,8 +260,8 @@ def test_a_default_that_falls_to_the_reference_is_a_warning(make_checkpoint, cap
 
 @needs_avx2
 def test_int4_w4a8_on_bf16_rows_runs_the_avx2_op_like_the_reference() -> None:
-    """int4_w4a8 has no bf16 kernel: with bf16 activations the method converts the rows to
-    fp32 for the AVX2 family's op, which rounds x as the reference does and sums in fp32
+    """Where int4_w4a8 has no bf16 kernel (routed experts, CPUs without AVX512-VNNI), with
+    bf16 activations the method converts the rows to fp32 for the AVX2 family's op, which rounds x as the reference does and sums in fp32
     before the one rounding to bf16, so it equals the reference up to that rounding."""
     from minivllm.kernels import get_avx2_kernels
     from minivllm.quantization import formats
@@ -285,7 +285,7 @@ def test_int4_w4a8_on_bf16_rows_runs_the_avx2_op_like_the_reference() -> None:
 
 @needs_kernels
 def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_and_experts_borrow_the_avx2_op(
-    make_checkpoint,
+    make_checkpoint, monkeypatch
 ) -> None:
     """A bf16 engine on a CPU with AVX512-VNNI gives int4_w4a8's dense layers the GEMM on
     their prepacked panels (every batch: the fused decode step and prefill), and a MoE
@@ -306,10 +306,20 @@ def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_and_experts_borrow_the_av
     assert "int4_w4a8_packed_linear" in method.op_name
     [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     assert len(out.outputs[0].token_ids) == 3
+    expert_qw = formats.quantize(torch.randn(40, 64), "int4_w4a8", 32)
     expert = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 32))
     expert.routed_expert = True
-    expert.use(formats.quantize(torch.randn(40, 64), "int4_w4a8", 32), method_kernels(llm))
+    expert.use(expert_qw, method_kernels(llm))
     assert expert.fp32_op is not None and expert.packed_op is None
+    # without the AVX2 family (its build failed) an expert falls to the reference, never
+    # to quant_linear, which has no int4_w4a8 kind
+    import minivllm.kernels
+
+    monkeypatch.setattr(minivllm.kernels, "get_avx2_kernels", lambda: None)
+    expert = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 32))
+    expert.routed_expert = True
+    expert.use(expert_qw, method_kernels(llm))
+    assert expert.op is None and expert.fp32_op is None and expert.backend == "torch"
 
 
 def method_kernels(llm: LLM):

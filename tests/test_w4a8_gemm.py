@@ -76,6 +76,8 @@ def test_pack_vnni_w4a8_puts_each_weight_where_the_gemm_reads_it():
     "m,n,k,group,symmetric",
     [
         (1, 37, 1024, 128, True),  # decode; 37 rows: a partial last panel
+        (1, 300, 512, 128, False),  # decode's runs of 8 panels, then the 3 left one at a time
+        (2, 200, 256, 64, True),  # runs of 6 panels
         (2, 40, 512, 64, False),
         (3, 16, 256, 32, True),
         (4, 100, 1024, 256, False),

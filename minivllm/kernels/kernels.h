@@ -124,7 +124,7 @@ torch::Tensor dequantized_linear(torch::Tensor x, int64_t kind, torch::Tensor we
 void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scale,
                  const torch::Tensor& wsum, const at::BFloat16* bias, torch::Tensor& y);
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x);
-// int4_w4a8 on AVX512-VNNI (int4_w4a8.cpp; groups of a multiple of 128 k), on
+// int4_w4a8 on AVX512-VNNI (int4_w4a8.cpp; groups of a multiple of 32 k), on
 // formats.pack_vnni_w4a8's panels (a copy made at load), for every batch size.
 torch::Tensor int4_w4a8_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                                       int64_t group_size, c10::optional<torch::Tensor> bias);

@@ -16,7 +16,10 @@ oneDNN's bf16 GEMM is faster than converting in registers. Between the two, int4
 block-scaled fp8 batches (a few dozen rows) run `dequantized_linear`: the same numbers as
 dequantize + GEMM, a few rows of the weight dequantized at a time into a scratch, so the
 bf16 copy is never written out. int8_w8a8 at large batches runs a GEMM on its prepacked
-copy: our AMX kernel where the CPU has AMX-INT8, else our AVX512-VNNI GEMM.
+copy: our AMX kernel where the CPU has AMX-INT8, else our AVX512-VNNI GEMM. int4_w4a8
+runs every batch on its own prepacked copy, panels of 16 int4 rows for an AVX512-VNNI
+GEMM (`formats.pack_vnni_w4a8`); a MoE layer's routed experts, and CPUs without VNNI,
+borrow the AVX2 family's op for it.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.op = None  # the compiled quant_linear, where used
         self.fp32_op = None  # the AVX2 family's linear_quantw, for fp32 engines
         self._unit_scale: torch.Tensor | None = None  # int8_w8a8 there: ones, per channel
-        self.packed_op = None  # int8_w8a8's GEMM on its prepacked copy, past a few rows
+        # our GEMM on the prepacked copy: int8_w8a8's past a few rows, int4_w4a8's always
+        self.packed_op = None
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
         self.kernel_rows = 0  # rows for quant_linear; past them formats.max_kernel_rows says
         self.dequantized_rows = 0  # then dequantized_linear's (formats.max_dequantized_rows)
@@ -116,7 +120,9 @@ class QuantizedLinearMethod(LinearMethodBase):
     def use(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
         """Apply `qw` from now on: choose the op, and give int8_w8a8 on the kernels its
         prepacked copy for large batches (made per engine, never stored): our AMX kernel's
-        layout where the CPU has AMX-INT8, else our VNNI GEMM's."""
+        layout where the CPU has AMX-INT8, else our VNNI GEMM's; int4_w4a8 its panels.
+        (An int4_w4a8 embedding table that is not the LM head gets panels it never reads:
+        a copy of its int4 size, accepted to keep the fused decode step's view simple.)"""
         self.choose_backend(qw, kernels)
         if self.op is not None and qw.scheme == "int8_w8a8":
             amx = kernels.op("amx_w8a8_available")
@@ -182,6 +188,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.kernel_op = op
         usable = (
             op is not None
+            and not (qw.scheme == "int4_w4a8" and self.routed_expert)
             and formats.kernel_supports(qw.scheme)
             and formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
         )
@@ -333,8 +340,7 @@ def _why_not(op: object, qw: formats.QuantWeights) -> str:
         return "this CPU lacks the instructions it needs (int8_w8a8, int4_w4a8: AVX512-VNNI)"
     return (
         f"the layer's shape (input {qw.in_features}, group {qw.group_size}) is not one the "
-        "kernel takes (input a multiple of 32; int4 groups of a multiple of 32, int4_w4a8's "
-        "of 128; fp8 per "
+        "kernel takes (input a multiple of 32; int4 groups of a multiple of 32; fp8 per "
         "channel or in blocks of a multiple of 64 k dividing the input, other blocks on "
         "the AVX2 op)"
     )

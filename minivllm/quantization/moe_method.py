@@ -193,7 +193,8 @@ class QuantizedMoEMethod:
                 method.kernel_rows = self.kernel_rows
         for part in PARTS:  # int8_w8a8's prepacked copies, one per expert, for the one call
             copies = [m.quant_weights.packed for m in self.experts[part]]
-            self.packed[part] = copies if bf16 and None not in copies else []
+            w8a8 = self.spec.scheme == "int8_w8a8"
+            self.packed[part] = copies if bf16 and w8a8 and None not in copies else []
 
     @property
     def op_name(self) -> str:
