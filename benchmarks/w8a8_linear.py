@@ -20,7 +20,7 @@ import torch
 from minivllm.kernels import get_cpu_kernels
 from minivllm.kernels.isa import cpu_model, isa_summary
 from minivllm.layers.cpu_linear import PACK_BATCH_HINT
-from minivllm.quantization import formats
+from minivllm.quantization import formats, packing
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate_up, down
 COLUMNS = ("bf16 oneDNN", "VNNI rows", "VNNI GEMM", "AMX")
@@ -70,8 +70,8 @@ def measure(ops, rows: int, n: int, k: int, reps: int, amx: bool) -> list[float]
         w = torch.randn(n, k).bfloat16() * 0.02
         qw = formats.quantize(w, "int8_w8a8")
         bf16_packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_BATCH_HINT)
-        amx_packed = formats.pack_amx_w8a8(qw.weight) if amx else None
-        layers.append((qw, bf16_packed, formats.pack_vnni_w8a8(qw.weight), amx_packed))
+        amx_packed = packing.pack_amx_w8a8(qw.weight) if amx else None
+        layers.append((qw, bf16_packed, packing.pack_vnni_w8a8(qw.weight), amx_packed))
     paths = [
         lambda: [
             torch.ops.mkldnn._linear_pointwise(x, bp, None, "none", [], "")

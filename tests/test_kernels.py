@@ -175,7 +175,9 @@ def test_rms_norm_reads_per_head_views_in_place(tokens, head):
         got = kernels.rms_norm(view, weight, 1e-6)
         assert got.is_contiguous() and got.shape == view.shape
         assert torch.equal(got, kernels.rms_norm(view.contiguous(), weight, 1e-6))
-        torch.testing.assert_close(got.float(), norm(view.contiguous()).float(), atol=2e-2, rtol=2 * 2**-8)
+        torch.testing.assert_close(
+            got.float(), norm(view.contiguous()).float(), atol=2e-2, rtol=2 * 2**-8
+        )
 
 
 @needs_kernel

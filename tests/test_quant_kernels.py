@@ -42,14 +42,12 @@ from minivllm.quantization.formats import (
     max_dequantized_rows,
     max_kernel_rows,
     pack_int4,
-    pack_vnni_w8a8,
-    prepack_w4a8,
-    prepack_w8a8,
     quantize,
     quantize_per_token,
     reference_linear,
     unpack_int4,
 )
+from minivllm.quantization.packing import pack_vnni_w8a8, prepack_w4a8, prepack_w8a8
 
 needs_bf16 = pytest.mark.skipif(not kernel_supports("int8_w8a16"), reason="CPU lacks AVX512-BF16")
 needs_vnni = pytest.mark.skipif(
@@ -384,7 +382,9 @@ class _KernelQuantMethod(LinearMethodBase):
         kernels, qw = get_cpu_kernels(), self.quant_weights
         rows = x.reshape(-1, qw.in_features)
         if qw.scheme == "int4_w4a8":  # every batch on its panels
-            y = kernels.int4_w4a8_packed_linear(rows, qw.packed, qw.out_features, qw.group_size, bias)
+            y = kernels.int4_w4a8_packed_linear(
+                rows, qw.packed, qw.out_features, qw.group_size, bias
+            )
         elif rows.shape[0] > max_kernel_rows(qw) and qw.scheme == "int8_w8a8":
             y = kernels.w8a8_packed_linear(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
         elif max_kernel_rows(qw) < rows.shape[0] <= max_dequantized_rows(qw):

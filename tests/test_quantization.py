@@ -17,7 +17,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.isa import cpu_flags
-from minivllm.quantization import formats
+from minivllm.quantization import formats, packing
 from tests.conftest import (
     QUANTIZED_FP32_TOL,
     assert_logprobs_match,
@@ -302,7 +302,7 @@ def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_and_experts_borrow_the_av
     method = _layers(llm)["model.layers.0.mlp.down_proj"]
     assert method.backend == "cpu_kernel" and method.fp32_op is None
     qw = method.quant_weights
-    assert qw.packed is not None and torch.equal(qw.packed, formats.pack_vnni_w4a8(qw))
+    assert qw.packed is not None and torch.equal(qw.packed, packing.pack_vnni_w4a8(qw))
     assert "int4_w4a8_packed_linear" in method.op_name
     [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     assert len(out.outputs[0].token_ids) == 3

@@ -19,7 +19,7 @@ import torch
 
 from minivllm.kernels import get_cpu_kernels
 from minivllm.kernels.isa import cpu_flags
-from minivllm.quantization import formats
+from minivllm.quantization import formats, packing
 
 needs_vnni = pytest.mark.skipif(
     not {"avx512_bf16", "avx512_vnni"} <= cpu_flags(), reason="CPU lacks AVX512-BF16/VNNI"
@@ -47,7 +47,7 @@ def test_pack_vnni_w4a8_puts_each_weight_where_the_gemm_reads_it():
     n, k, group = 21, 64, 32
     gen = torch.Generator().manual_seed(0)
     qw = formats.quantize(torch.randn(n, k, generator=gen), "int4_w4a8", group, symmetric=False)
-    packed = formats.pack_vnni_w4a8(qw)
+    packed = packing.pack_vnni_w4a8(qw)
     assert packed.dtype == torch.uint8 and packed.shape == (2, k // 8 * 64 + (k // group) * 128)
     q = formats.unpack_int4(qw.weight)
     for p in range(2):
@@ -58,17 +58,19 @@ def test_pack_vnni_w4a8_puts_each_weight_where_the_gemm_reads_it():
             for s in range(k // 8):
                 for j in range(4):
                     byte = int(weights[s, i, j])
-                    want = (0, 0) if row >= n else (int(q[row, 8 * s + j]), int(q[row, 8 * s + 4 + j]))
+                    want = (
+                        (0, 0) if row >= n else (int(q[row, 8 * s + j]), int(q[row, 8 * s + 4 + j]))
+                    )
                     assert (byte & 0xF, byte >> 4) == want
             for g in range(k // group):
                 want_s = 0.0 if row >= n else float(qw.scale[row, g])
                 want_z = 0.0 if row >= n else float(qw.zero[row, g])
                 assert (float(meta[0, g, i]), float(meta[1, g, i])) == (want_s, want_z)
     symmetric = formats.quantize(torch.randn(16, 64, generator=gen), "int4_w4a8", 32)
-    meta = formats.pack_vnni_w4a8(symmetric)[0, 8 * 64 :].view(torch.float32).view(2, 2, 16)
+    meta = packing.pack_vnni_w4a8(symmetric)[0, 8 * 64 :].view(torch.float32).view(2, 2, 16)
     assert bool((meta[1] == formats.INT4_SYMMETRIC_ZERO).all())
     with pytest.raises(ValueError, match="int4"):
-        formats.pack_vnni_w4a8(formats.quantize(torch.randn(16, 64), "int8_w8a8"))
+        packing.pack_vnni_w4a8(formats.quantize(torch.randn(16, 64), "int8_w8a8"))
 
 
 @needs_vnni
@@ -93,7 +95,7 @@ def test_int4_w4a8_gemm_matches_the_reference(m, n, k, group, symmetric):
     failing somewhere, proof that x was rounded to int8 at all."""
     gen = torch.Generator().manual_seed(m * 100 + group)
     qw = formats.quantize(torch.randn(n, k, generator=gen), "int4_w4a8", group, symmetric)
-    formats.prepack_w4a8(qw)
+    packing.prepack_w4a8(qw)
     x = torch.randn(m, k, generator=gen).bfloat16()
     x[:, :8] *= 30
     x[0, : 2 * group] = 0.0  # two groups of zeros
@@ -113,7 +115,7 @@ def test_int4_w4a8_gemm_carries_inf_and_nan_to_their_rows():
     """A group holding an inf or NaN has scale NaN (formats.quantize_per_group's amax): its
     row's outputs are NaN, the other rows are untouched."""
     qw = formats.quantize(torch.randn(24, 256), "int4_w4a8", 128)
-    formats.prepack_w4a8(qw)
+    packing.prepack_w4a8(qw)
     x = torch.randn(3, 256).bfloat16()
     x[1, 5] = float("inf")
     x[2, 200] = float("nan")
@@ -127,7 +129,7 @@ def test_int4_w4a8_gemm_carries_inf_and_nan_to_their_rows():
 def test_int4_w4a8_gemm_rejects_mismatched_inputs():
     kernels = get_cpu_kernels()
     qw = formats.quantize(torch.randn(24, 256), "int4_w4a8", 128)
-    formats.prepack_w4a8(qw)
+    packing.prepack_w4a8(qw)
     x = torch.randn(2, 256).bfloat16()
     with pytest.raises(RuntimeError, match="group_size"):
         kernels.int4_w4a8_packed_linear(x, qw.packed, 24, 48, None)

@@ -1,6 +1,6 @@
 """int8_w8a8's GEMMs on prepacked copies of the weight (quant_w8a8.cpp's VNNI GEMM,
 amx_w8a8.cpp's AMX kernel) against `reference_linear`, and the packing
-layouts they read (formats.pack_vnni_w8a8, pack_amx_w8a8). The tolerance is
+layouts they read (packing.pack_vnni_w8a8, pack_amx_w8a8). The tolerance is
 test_quant_kernels.py's, derived there."""
 
 from __future__ import annotations
@@ -11,12 +11,10 @@ import torch
 from minivllm.kernels import get_cpu_kernels
 from minivllm.quantization.formats import (
     from_int8_values,
-    pack_amx_w8a8,
-    pack_vnni_w8a8,
-    prepack_w8a8,
     quantize,
     reference_linear,
 )
+from minivllm.quantization.packing import pack_amx_w8a8, pack_vnni_w8a8, prepack_w8a8
 from tests.test_quant_kernels import (
     _amx_available,
     _weights,

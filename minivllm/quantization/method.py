@@ -18,7 +18,7 @@ dequantize + GEMM, a few rows of the weight dequantized at a time into a scratch
 bf16 copy is never written out. int8_w8a8 at large batches runs a GEMM on its prepacked
 copy: our AMX kernel where the CPU has AMX-INT8, else our AVX512-VNNI GEMM. int4_w4a8
 runs every batch on its own prepacked copy, panels of 16 int4 rows for an AVX512-VNNI
-GEMM (`formats.pack_vnni_w4a8`); a MoE layer's routed experts, and CPUs without VNNI,
+GEMM (`packing.pack_vnni_w4a8`); a MoE layer's routed experts, and CPUs without VNNI,
 borrow the AVX2 family's op for it.
 """
 
@@ -37,7 +37,7 @@ from minivllm.layers.linear_method import (
     WeightLoader,
     create_full_precision_weight,
 )
-from minivllm.quantization import formats
+from minivllm.quantization import formats, packing
 from minivllm.quantization.config import SchemeSpec
 from minivllm.utils import huge_pages
 
@@ -126,11 +126,11 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.choose_backend(qw, kernels)
         if self.op is not None and qw.scheme == "int8_w8a8":
             amx = kernels.op("amx_w8a8_available")
-            formats.prepack_w8a8(qw, "amx" if amx is not None and amx() else "vnni")
+            packing.prepack_w8a8(qw, "amx" if amx is not None and amx() else "vnni")
             self.packed_op = kernels.op("w8a8_packed_linear")
         if self.op is not None and qw.scheme == "int4_w4a8":
             # its GEMM reads only the panels, streamed at every decode step: huge pages
-            formats.prepack_w4a8(qw)
+            packing.prepack_w4a8(qw)
             qw.packed = huge_pages.weights_arena().copy(qw.packed)
             self.packed_op = kernels.op("int4_w4a8_packed_linear")
         self.kernel_rows = formats.max_kernel_rows(qw)

@@ -42,7 +42,11 @@ def profile_step_cost(runner: ModelRunner, num_blocks: int) -> CostCurve:
         size = min(2 * size, largest)
     # rows at a long context: all read the same blocks (block tables may share them)
     context = min(sched.max_model_len, num_blocks * runner.block_size, 512)
-    extra = _time_dummy_step(runner, largest, context, num_blocks) - points[largest] if context > 1 else 0.0
+    extra = (
+        _time_dummy_step(runner, largest, context, num_blocks) - points[largest]
+        if context > 1
+        else 0.0
+    )
     per_pair = max(extra, 0.0) / (largest * max(context - 1, 1))
     points, per_pair = broadcast_object((points, per_pair))
     curve = CostCurve.from_points(points, per_pair)

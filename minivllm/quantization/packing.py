@@ -1,0 +1,96 @@
+"""Copies of quantized weights in the layouts our batched GEMMs read, made once at load.
+
+`formats.QuantWeights` keeps the weight in its scheme's row layout (what `quant_linear`
+streams and `reference_linear` defines); the GEMMs for batches read a second layout,
+filled into `qw.packed` here: int8_w8a8's AMX blocks (`pack_amx_w8a8`, amx_w8a8.cpp) or
+VNNI panels (`pack_vnni_w8a8`, quant_w8a8.cpp), and int4_w4a8's VNNI panels
+(`pack_vnni_w4a8`, int4_w4a8.cpp). `formats.packed_layout` tells the two int8 ones apart.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from minivllm.quantization.formats import (
+    INT4_SCHEMES,
+    INT4_SYMMETRIC_ZERO,
+    QuantWeights,
+    unpack_int4,
+)
+
+AMX_BLOCK_N, AMX_BLOCK_K = 32, 64  # output rows per weight block, int8 k per tile row
+VNNI_PANEL = 32  # output rows per panel of pack_vnni_w8a8's layout
+PACKED_LAYOUTS = ("amx", "vnni")
+
+
+def prepack_w4a8(qw: QuantWeights) -> None:
+    """Fill `qw.packed` with int4_w4a8's panels (`pack_vnni_w4a8`) for its VNNI GEMM."""
+    if qw.scheme != "int4_w4a8":
+        raise ValueError(f"prepack_w4a8 packs int4_w4a8 weights, not {qw.scheme}")
+    qw.packed = pack_vnni_w4a8(qw)
+
+
+def prepack_w8a8(qw: QuantWeights, layout: str) -> None:
+    """Fill `qw.packed` with a copy of the int8 weight for large batches in `layout`: our
+    AMX kernel's (`pack_amx_w8a8`) or our VNNI GEMM's (`pack_vnni_w8a8`)."""
+    if qw.scheme != "int8_w8a8":
+        raise ValueError(f"only int8_w8a8 weights are prepacked, not {qw.scheme}")
+    if layout == "amx":
+        qw.packed = pack_amx_w8a8(qw.weight)
+    elif layout == "vnni":
+        qw.packed = pack_vnni_w8a8(qw.weight)
+    else:
+        raise ValueError(f"packed layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
+
+
+W4A8_PANEL = 16  # weight rows per panel of pack_vnni_w4a8
+
+
+def pack_vnni_w4a8(qw: QuantWeights) -> Tensor:
+    """int4 weights in the layout int4_w4a8.cpp's panel GEMM reads: uint8 [ceil(N/16),
+    K/8 * 64 + groups * 128]. Panel p holds rows n = 16p + i (zeros past N): per 8 k, 64
+    bytes, byte 4i + j = q[n, 8s + j] | q[n, 8s + 4 + j] << 4 (one vpdpbusd multiplies the
+    low nibbles, k 8s .. 8s + 3 of 16 rows, by 4 broadcast bytes of x; the high ones the
+    next 4 k); then the panel's scales and zero points (8 where symmetric) as float32
+    [groups, 16] each. A copy made at load (`qw.packed`), as int8_w8a8's."""
+    if qw.scheme not in INT4_SCHEMES:
+        raise ValueError(f"pack_vnni_w4a8 packs int4 weights, not {qw.scheme}")
+    n, k, groups = qw.out_features, qw.in_features, qw.in_features // qw.group_size
+    if k % 8:
+        raise ValueError(f"pack_vnni_w4a8 needs K a multiple of 8, got {k}")
+    pad = -n % W4A8_PANEL
+    q = torch.nn.functional.pad(unpack_int4(qw.weight), (0, 0, 0, pad))
+    q = q.view(-1, W4A8_PANEL, k // 8, 2, 4).permute(0, 2, 1, 3, 4)  # p s i half j
+    weights = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).reshape(q.shape[0], -1)
+    zero = torch.full_like(qw.scale, INT4_SYMMETRIC_ZERO) if qw.zero is None else qw.zero
+
+    def per_panel(t: Tensor) -> Tensor:  # [N, groups] -> bytes of [panels, groups, 16]
+        t = torch.nn.functional.pad(t.to(torch.float32), (0, 0, 0, pad))
+        t = t.view(-1, W4A8_PANEL, groups).transpose(1, 2).contiguous()
+        return t.view(t.shape[0], -1).view(torch.uint8)
+
+    return torch.cat((weights, per_panel(qw.scale), per_panel(zero)), dim=1).contiguous()
+
+
+def pack_amx_w8a8(q: Tensor) -> Tensor:
+    """int8 q [N, K] in the layout amx_w8a8.cpp's tiles load: [N/32, K/64, 2, 16, 64], zero-
+    padded to whole blocks. Block b, k-block kb, half j holds rows n = 32b + 16j + c (c < 16)
+    and k = 64kb + 4i + e as byte [i, 4c + e]: TDPBSSD's B operand, 4 k per 32-bit lane."""
+    n, k = q.shape
+    n_pad, k_pad = -n % AMX_BLOCK_N, -k % AMX_BLOCK_K
+    padded = torch.nn.functional.pad(q, (0, k_pad, 0, n_pad))
+    blocks = padded.view((n + n_pad) // 32, 2, 16, (k + k_pad) // 64, 16, 4)  # b j c kb i e
+    return blocks.permute(0, 3, 1, 4, 2, 5).contiguous().view(-1, (k + k_pad) // 64, 2, 16, 64)
+
+
+def pack_vnni_w8a8(q: Tensor) -> Tensor:
+    """int8 q [N, K] (K a multiple of 4) in the layout quant_w8a8.cpp's VNNI GEMM reads:
+    [N/32, K/4, 32, 4], zero-padded to whole panels. Panel p holds rows n = 32p + c as
+    byte [k / 4, c, k % 4]: the 4 k of 32 rows that one step multiplies are 128 bytes."""
+    n, k = q.shape
+    if k % 4:
+        raise ValueError(f"pack_vnni_w8a8 needs K a multiple of 4, got {k}")
+    padded = torch.nn.functional.pad(q, (0, 0, 0, -n % VNNI_PANEL))
+    panels = padded.view(-1, VNNI_PANEL, k // 4, 4)  # p c kq e
+    return panels.permute(0, 2, 1, 3).contiguous()
