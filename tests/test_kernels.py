@@ -41,6 +41,21 @@ def test_gemv_matches_a_float64_reference(rows, n, k):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [2, 5, 16])
+def test_gemv_rows_do_not_depend_on_the_batch(rows):
+    """A row's outputs are the same bits alone (1 x 8 tiles) as in a batch (4 x 6 tiles,
+    and the single-row tail past a multiple of 6): every output sums the same k in the
+    same order, which greedy speculative decoding's verification relies on."""
+    kernels = get_cpu_kernels()
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 200, generator=gen).bfloat16()
+    w = torch.randn(6 * 8 + 5, 200, generator=gen).bfloat16()
+    batch = kernels.gemv_bf16(x, w, None)
+    for i in range(rows):
+        assert torch.equal(batch[i : i + 1], kernels.gemv_bf16(x[i : i + 1], w, None))
+
+
+@needs_kernel
 def test_engine_outputs_agree_with_and_without_kernels(qwen3_dir):
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11]}, {"prompt_token_ids": [40, 41, 42]}]
     logprobs = {}

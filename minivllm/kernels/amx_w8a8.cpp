@@ -9,7 +9,7 @@
 // of x, so per-token scales cost two more passes over a float32 output, which ate its gain
 // over bf16 (docs/quantization.md). It stays the fallback on CPUs without AMX.
 //
-// The weight is packed once at load (formats.pack_amx_w8a8) into the tiles' layout: blocks
+// The weight is packed once at load (packing.pack_amx_w8a8) into the tiles' layout: blocks
 // of 32 output rows, and in each, per 64 k, two 1 KB tiles of 16 rows (k / 4) x 16 columns
 // (n) x 4 bytes (k % 4), zero-padded to whole blocks. A step multiplies 32 rows of x by a
 // 32-row weight block: two A tiles times two B tiles into four C tiles. x is quantized
@@ -201,7 +201,7 @@ torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "amx_w8a8_linear: x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 5 && packed.size(2) == 2 &&
                   packed.size(3) == 16 && packed.size(4) == 64 && packed.is_contiguous(),
-              "amx_w8a8_linear: packed must be formats.pack_amx_w8a8's int8 [N/32, K/64, 2, 16, 64]");
+              "amx_w8a8_linear: packed must be packing.pack_amx_w8a8's int8 [N/32, K/64, 2, 16, 64]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
               "amx_w8a8_linear: scale must be float32 [N]");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scale.device().is_cpu(),

@@ -66,7 +66,7 @@ torch::Tensor packed_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One linear layer's weight as the step reads it: bf16 (kind 0, with its oneDNN-packed
 // copy or an empty tensor), or quantized (quant_linear's kinds) with [scale, zero, wsum,
 // packed] in `quant` (empty tensors for none; packed: int8_w8a8's copy in one of
-// formats.PACKED_LAYOUTS, or int4_w4a8's panels, formats.pack_vnni_w4a8).
+// packing.PACKED_LAYOUTS, or int4_w4a8's panels, packing.pack_vnni_w4a8).
 struct Linear {
   const torch::Tensor& w;
   const torch::Tensor& bias;

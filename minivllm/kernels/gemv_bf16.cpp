@@ -153,7 +153,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantized_linear", &dequantized_linear,
         "x @ dequantize_bf16(W)^T + b, dequantizing blocks of rows into a scratch (no full copy)", nogil);
   m.def("int4_w4a8_packed_linear", &int4_w4a8_packed_linear,
-        "int4_w4a8 on AVX512-VNNI over formats.pack_vnni_w4a8's panels", nogil);
+        "int4_w4a8 on AVX512-VNNI over packing.pack_vnni_w4a8's panels", nogil);
   m.def("quantize_per_token_int8", &quantize_per_token_int8,
         "bf16 rows -> int8 and per-row scales (amax / 127)", nogil);
   m.def("amx_w8a8_available", &amx_w8a8_available, "whether AMX-INT8 runs here (asks Linux for it once)");

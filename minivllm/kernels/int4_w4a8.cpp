@@ -7,7 +7,7 @@
 //
 // The weights' nibbles are unsigned (0..15) and x's bytes signed: the operand order of
 // vpdpbusd, which multiplies 64 pairs and adds them in fours into 16 int32 lanes. The
-// GEMM reads a copy of the weight packed once at load (formats.pack_vnni_w4a8) in panels
+// GEMM reads a copy of the weight packed once at load (packing.pack_vnni_w4a8) in panels
 // of 16 rows, as quant_w8a8.cpp's GEMM does: the 16 lanes of an accumulator are 16
 // weight rows, a 64-byte load is 8 k of the panel (the low nibbles k 0-3 of each row,
 // the high ones k 4-7), and each step broadcasts 4 bytes of a row of x. A group ends
@@ -65,7 +65,7 @@ inline float group_scale(const bf16* src, int64_t G, float* inv) {
   return amax / 127.f;
 }
 
-// A panel (formats.pack_vnni_w4a8) is, per 8 k, 64 bytes (row i's byte j: k j in the low
+// A panel (packing.pack_vnni_w4a8) is, per 8 k, 64 bytes (row i's byte j: k j in the low
 // nibble, k j + 4 in the high one), then its scales and its zero points as [groups, 16]
 // floats (8 where symmetric; rows past N are zeros).
 constexpr int64_t kPanel = 16;

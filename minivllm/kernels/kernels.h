@@ -125,7 +125,7 @@ void w8a8_linear(const torch::Tensor& x, const torch::Tensor& weight, const torc
                  const torch::Tensor& wsum, const at::BFloat16* bias, torch::Tensor& y);
 std::tuple<torch::Tensor, torch::Tensor> quantize_per_token_int8(torch::Tensor x);
 // int4_w4a8 on AVX512-VNNI (int4_w4a8.cpp; groups of a multiple of 32 k), on
-// formats.pack_vnni_w4a8's panels (a copy made at load), for every batch size.
+// packing.pack_vnni_w4a8's panels (a copy made at load), for every batch size.
 torch::Tensor int4_w4a8_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t out_features,
                                       int64_t group_size, c10::optional<torch::Tensor> bias);
 // One row of x (K % 16 == 0) as quantize_per_token_int8 does it: q, and the scale returned.
@@ -134,7 +134,7 @@ float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
 // ~8K values, where a thread's share pays for starting it. A decode batch's 16 rows of 1024 had gone to one
 // thread (~0.8 ms of a 57 ms int8_w8a8 step on a 2-core Zen 4, the other thread waiting).
 inline int64_t quantize_grain(int64_t K) { return K >= 8192 ? 1 : 8192 / (K > 0 ? K : 1); }
-// int8_w8a8 on AMX-INT8 (amx_w8a8.cpp) on formats.pack_amx_w8a8's layout.
+// int8_w8a8 on AMX-INT8 (amx_w8a8.cpp) on packing.pack_amx_w8a8's layout.
 bool amx_w8a8_available();
 // AMX-BF16 tiles usable here (CPU, compiler and the kernel's permission); prefill attention's
 bool amx_bf16_available();
@@ -146,10 +146,10 @@ void amx_release_tiles();
 #endif
 torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
                               torch::Tensor scale, c10::optional<torch::Tensor> bias);
-// int8_w8a8's GEMM on CPUs with AVX512-VNNI but no AMX (quant_w8a8.cpp), on formats.pack_vnni_w8a8's layout.
+// int8_w8a8's GEMM on CPUs with AVX512-VNNI but no AMX (quant_w8a8.cpp), on packing.pack_vnni_w8a8's layout.
 torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
                                torch::Tensor wsum, c10::optional<torch::Tensor> bias);
-// int8_w8a8 on a prepacked copy in any of formats.PACKED_LAYOUTS (told apart by its form).
+// int8_w8a8 on a prepacked copy in any of packing.PACKED_LAYOUTS (told apart by its form).
 torch::Tensor w8a8_packed_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
                                  torch::Tensor wsum, c10::optional<torch::Tensor> bias);
 // DeepSeek sparse attention (dsa.cpp) and routed experts (moe.cpp); the references are

@@ -148,7 +148,7 @@ void w8a8_run(const W8A8& p) {
 
 // -- the GEMM for batches past the kernel above, on CPUs without AMX ----------------------
 //
-// The weight is packed once at load (formats.pack_vnni_w8a8) into panels of kPanel output
+// The weight is packed once at load (packing.pack_vnni_w8a8) into panels of kPanel output
 // rows: [N / 32, K / 4, 32, 4], so the 4 k of 32 rows that one step multiplies are 128
 // contiguous bytes (two vectors) and a panel streams front to back. A tile of MR rows of x
 // keeps 2 x MR int32 accumulators in registers; each step broadcasts 4 bytes of a row of x
@@ -297,7 +297,7 @@ torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2, "vnni_w8a8_linear: x must be bf16 [M, K]");
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == kPanel &&
                   packed.size(3) == 4 && packed.is_contiguous(),
-              "vnni_w8a8_linear: packed must be formats.pack_vnni_w8a8's int8 [N/32, K/4, 32, 4]");
+              "vnni_w8a8_linear: packed must be packing.pack_vnni_w8a8's int8 [N/32, K/4, 32, 4]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 && scale.is_contiguous(),
               "vnni_w8a8_linear: scale must be float32 [N]");
   TORCH_CHECK(wsum.scalar_type() == at::kInt && wsum.dim() == 1 && wsum.numel() == scale.numel() &&
