@@ -7,6 +7,8 @@ same engine's model with unquantized bf16 experts (a second engine, run after).
 
     python benchmarks/hisparse.py --make-model /tmp/dsv32-400m   # the 400M model, once
     python benchmarks/moe_one_call.py --model /tmp/dsv32-400m --scheme int8_w8a8
+    python benchmarks/moe_one_call.py --model /tmp/dsv32-400m --dtype bfloat16 --scheme int4_w4a8 \
+        --borrowed-avx2
     python benchmarks/moe_one_call.py --model /tmp/dsv32-400m --dtype bfloat16 \
         --scheme int8_w8a16 --bf16-experts
 
@@ -26,8 +28,9 @@ import torch
 from tqdm import tqdm
 
 from minivllm import LLM, SamplingParams
+from minivllm.kernels import get_avx2_kernels
 from minivllm.kernels.isa import cpu_model, isa_summary
-from minivllm.quantization.moe_method import QuantizedMoEMethod
+from minivllm.quantization.moe_method import PARTS, QuantizedMoEMethod
 
 
 def main() -> None:
@@ -39,6 +42,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the engine's dtype (auto, bfloat16, ...)")
     parser.add_argument(
         "--bf16-experts", action="store_true", help="also time the model's unquantized experts"
+    )
+    parser.add_argument(
+        "--borrowed-avx2",
+        action="store_true",
+        help="also time the loop with every expert on the AVX2 family's op, rows converted to "
+        "fp32 (a bf16 engine's int4_w4a8 experts before they ran on VNNI panels)",
     )
     args = parser.parse_args()
     llm = LLM(
@@ -63,13 +72,22 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     prompt = [{"prompt_token_ids": list(range(100, 116))}]
     llm.generate(prompt, params, use_tqdm=False)  # warm-up
-    rates: dict[str, list[float]] = {"one call": [], "loop": []}
+    names = ["loop", "one call"] + (["borrowed AVX2"] if args.borrowed_avx2 else [])
+    experts = [(e, e.op, e.fp32_op) for m in methods for p in PARTS for e in m.experts[p]]
+    avx2 = get_avx2_kernels() if args.borrowed_avx2 else None
+    if args.borrowed_avx2 and (avx2 is None or attr != "bf16_moe_op"):
+        raise SystemExit("--borrowed-avx2 needs a bf16 engine and the AVX2 family")
+    rates: dict[str, list[float]] = {name: [] for name in names}
     tokens: dict[str, list[int]] = {}
     print(f"{cpu_model()} ({isa_summary()}), {torch.get_num_threads()} threads, {args.scheme}")
     for round_ in tqdm(range(args.rounds), desc="rounds"):
-        for name in ("loop", "one call"):
+        for name in names:
             for method, op in zip(methods, ops):
                 setattr(method, attr, op if name == "one call" else None)
+            for expert, op, fp32_op in experts:  # the borrowed op, or each expert's own
+                borrowed = name == "borrowed AVX2"
+                expert.op = None if borrowed else op
+                expert.fp32_op = avx2.linear_quantw if borrowed else fp32_op
             start = time.perf_counter()
             out = llm.generate(prompt, params, use_tqdm=False)
             rates[name].append(args.tokens / (time.perf_counter() - start))
@@ -79,6 +97,9 @@ def main() -> None:
         tqdm.write(f"round {round_}: {shown} tok/s, same greedy tokens: {same}")
     one, loop = statistics.median(rates["one call"]), statistics.median(rates["loop"])
     print(f"median: one call {one:.2f} tok/s, loop {loop:.2f} tok/s, {one / loop:.3f}x")
+    if args.borrowed_avx2:
+        old = statistics.median(rates["borrowed AVX2"])
+        print(f"median: borrowed AVX2 op {old:.2f} tok/s; one call {one / old:.3f}x of it")
     llm.llm_engine.shutdown()
     if args.bf16_experts:
         del llm

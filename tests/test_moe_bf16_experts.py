@@ -29,7 +29,13 @@ def moe_dir(tmp_path_factory, tokenizer_dir) -> Path:
 @needs_kernels
 @pytest.mark.parametrize(
     ("scheme", "options"),
-    [("int8_w8a16", {}), ("fp8_w8a16", {}), ("int4_w4a16", GROUPS), ("int8_w8a8", {})],
+    [
+        ("int8_w8a16", {}),
+        ("fp8_w8a16", {}),
+        ("int4_w4a16", GROUPS),
+        ("int8_w8a8", {}),
+        ("int4_w4a8", GROUPS),
+    ],
 )
 def test_bf16_expert_kernels_agree_with_the_reference_backend(moe_dir, scheme, options) -> None:
     """A bf16 engine's quantized experts on the bf16 kernels (quant_linear, expert by
@@ -58,7 +64,13 @@ def test_bf16_expert_kernels_agree_with_the_reference_backend(moe_dir, scheme, o
 @needs_kernels
 @pytest.mark.parametrize(
     ("scheme", "options"),
-    [("int8_w8a16", {}), ("fp8_w8a16", {}), ("int4_w4a16", GROUPS), ("int8_w8a8", {})],
+    [
+        ("int8_w8a16", {}),
+        ("fp8_w8a16", {}),
+        ("int4_w4a16", GROUPS),
+        ("int8_w8a8", {}),
+        ("int4_w4a8", GROUPS),
+    ],
 )
 def test_bf16_one_call_equals_the_routing_loop_bit_for_bit(moe_dir, scheme, options) -> None:
     """A bf16 engine runs a layer's quantized experts in one call (moe_quant.cpp) that
@@ -98,9 +110,11 @@ def test_bf16_one_call_equals_the_routing_loop_bit_for_bit(moe_dir, scheme, opti
     with pytest.raises(RuntimeError, match="out of"):
         method.apply(layer, x, weights, torch.tensor([[0, num_experts]]))
     # past the kernels' rows: int8_w8a8's one call runs each expert's prepacked copy, as
-    # the loop does; the weight-only schemes leave the step to the loop (dequantize + GEMM)
+    # the loop does (int4_w4a8's runs its experts' panels at every step); the weight-only
+    # schemes leave the step to the loop (dequantize + GEMM)
+    prepacked = scheme in ("int8_w8a8", "int4_w4a8")
     rows = method.kernel_rows + 1
-    assert bool(method.packed["w13"]) == (scheme == "int8_w8a8")
+    assert bool(method.packed["w13"]) == prepacked
     x = torch.randn(rows, hidden, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(num_experts, generator=gen)[:2] for _ in range(rows)])
     weights = torch.rand(rows, 2, generator=gen)
@@ -112,7 +126,7 @@ def test_bf16_one_call_equals_the_routing_loop_bit_for_bit(moe_dir, scheme, opti
         want = method.apply(layer, x, weights, ids)
     finally:
         method.bf16_moe_op = one_call
-    assert len(calls) == (scheme == "int8_w8a8") and torch.equal(got, want)
+    assert len(calls) == prepacked and torch.equal(got, want)
     llm.llm_engine.shutdown()
 
 

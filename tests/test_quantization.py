@@ -284,12 +284,13 @@ def test_int4_w4a8_on_bf16_rows_runs_the_avx2_op_like_the_reference() -> None:
 
 
 @needs_kernels
-def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_and_experts_borrow_the_avx2_op(
+def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_on_panels(
     make_checkpoint, monkeypatch
 ) -> None:
     """A bf16 engine on a CPU with AVX512-VNNI gives int4_w4a8's dense layers the GEMM on
-    their prepacked panels (every batch: the fused decode step and prefill), and a MoE
-    layer's routed experts, which have no kernel on panels, the AVX2 family's op."""
+    their prepacked panels (every batch: the fused decode step and prefill), as it gives
+    a MoE layer's routed experts, one set of panels per expert; without VNNI the scheme
+    borrows the AVX2 family's op, and without that too it runs the reference."""
     from minivllm.quantization.config import SchemeSpec
     from minivllm.quantization.method import QuantizedLinearMethod
 
@@ -308,17 +309,22 @@ def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_and_experts_borrow_the_av
     assert len(out.outputs[0].token_ids) == 3
     expert_qw = formats.quantize(torch.randn(40, 64), "int4_w4a8", 32)
     expert = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 32))
-    expert.routed_expert = True
     expert.use(expert_qw, method_kernels(llm))
-    assert expert.fp32_op is not None and expert.packed_op is None
-    # without the AVX2 family (its build failed) an expert falls to the reference, never
-    # to quant_linear, which has no int4_w4a8 kind
+    assert expert.fp32_op is None and expert.packed_op is not None
+    assert torch.equal(expert_qw.packed, packing.pack_vnni_w4a8(expert_qw))
+    # a CPU without AVX512-VNNI: the AVX2 family's op on rows converted to fp32; and
+    # where that family is missing too (its build failed), the reference, never
+    # quant_linear, which has no int4_w4a8 kind
     import minivllm.kernels
 
+    no_vnni = formats.kernel_supports
+    monkeypatch.setattr(formats, "kernel_supports", lambda s: s != "int4_w4a8" and no_vnni(s))
+    expert = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 32))
+    expert.use(formats.quantize(torch.randn(40, 64), "int4_w4a8", 32), method_kernels(llm))
+    assert expert.fp32_op is not None and expert.packed_op is None
     monkeypatch.setattr(minivllm.kernels, "get_avx2_kernels", lambda: None)
     expert = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 32))
-    expert.routed_expert = True
-    expert.use(expert_qw, method_kernels(llm))
+    expert.use(formats.quantize(torch.randn(40, 64), "int4_w4a8", 32), method_kernels(llm))
     assert expert.op is None and expert.fp32_op is None and expert.backend == "torch"
 
 

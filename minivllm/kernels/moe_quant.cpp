@@ -39,7 +39,9 @@ c10::optional<torch::Tensor> rows_of(const c10::optional<torch::Tensor>& t, int6
 // rows [E * H, ...]. kind and group_size: quant_linear's. An expert's product of up to
 // max_kernel_rows tokens runs quant_linear (formats.max_kernel_rows); past them int8_w8a8
 // runs w8a8_packed_linear on that expert's prepacked copy (packed13[e], packed2[e]; empty
-// lists for the other schemes, whose dequantize-and-GEMM path stays with the loop).
+// lists for the weight-only schemes, whose dequantize-and-GEMM path stays with the loop).
+// int4_w4a8 (kind 5, which quant_linear has not) runs every product on its expert's panels
+// (int4_w4a8_packed_linear, packing.pack_vnni_w4a8), as its dense layers do.
 // Returns [T, H] bf16.
 torch::Tensor moe_quant_experts(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
                                 int64_t num_experts, int64_t kind, int64_t group_size, torch::Tensor w13,
@@ -56,13 +58,15 @@ torch::Tensor moe_quant_experts(torch::Tensor x, torch::Tensor topk_weights, tor
   TORCH_CHECK(w2.dim() == 2 && w2.size(0) == E * H, "moe_quant_experts: w2 must be [E * H, ...]");
   const int64_t r13 = w13.size(0) / E, I = r13 / 2;
   const bool packed = !packed13.empty();
-  TORCH_CHECK(!packed || (kind == 4 && static_cast<int64_t>(packed13.size()) == E &&
+  TORCH_CHECK(!packed || ((kind == 4 || kind == 5) && static_cast<int64_t>(packed13.size()) == E &&
                           static_cast<int64_t>(packed2.size()) == E),
-              "moe_quant_experts: prepacked copies are int8_w8a8's, one per expert");
+              "moe_quant_experts: prepacked copies are int8_w8a8's or int4_w4a8's, one per expert");
+  TORCH_CHECK(kind != 5 || packed, "moe_quant_experts: int4_w4a8 runs on its experts' panels, one per expert");
   // expert e's product of `part` (w, scale, zero, wsum, packed copies) on rows a [n, K]
   auto product = [&](const torch::Tensor& a, int64_t e, int64_t rows, const torch::Tensor& w,
                      const torch::Tensor& s, const c10::optional<torch::Tensor>& z,
                      const c10::optional<torch::Tensor>& ws, const std::vector<torch::Tensor>& copies) {
+    if (kind == 5) return int4_w4a8_packed_linear(a, copies[e], rows, group_size, c10::nullopt);
     const auto se = s.narrow(0, e * rows, rows);
     if (a.size(0) <= max_kernel_rows)
       return quant_linear(a, kind, w.narrow(0, e * rows, rows), se, rows_of(z, e * rows, rows),

@@ -18,8 +18,8 @@ dequantize + GEMM, a few rows of the weight dequantized at a time into a scratch
 bf16 copy is never written out. int8_w8a8 at large batches runs a GEMM on its prepacked
 copy: our AMX kernel where the CPU has AMX-INT8, else our AVX512-VNNI GEMM. int4_w4a8
 runs every batch on its own prepacked copy, panels of 16 int4 rows for an AVX512-VNNI
-GEMM (`packing.pack_vnni_w4a8`); a MoE layer's routed experts, and CPUs without VNNI,
-borrow the AVX2 family's op for it.
+GEMM (`packing.pack_vnni_w4a8`), a MoE layer's routed experts too (each expert its own
+panels); CPUs without VNNI borrow the AVX2 family's op for it.
 """
 
 from __future__ import annotations
@@ -68,9 +68,6 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.kernel_op = None  # the compiled quant_linear the engine offered, used or not
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
-        # one of a MoE layer's routed experts (QuantizedMoEMethod sets it): int4_w4a8 has
-        # no MoE kernel on its panels, so an expert's borrows the AVX2 family's op
-        self.routed_expert = False
 
     @property
     def kernels_on(self) -> bool:
@@ -162,7 +159,6 @@ class QuantizedLinearMethod(LinearMethodBase):
             and not (
                 formats.kernel_supports(qw.scheme)
                 and formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
-                and not self.routed_expert
             )
         ) or (
             qw.scheme == "fp8_w8a16"
@@ -170,9 +166,8 @@ class QuantizedLinearMethod(LinearMethodBase):
             and not formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
         )
         if fp32_op is None and borrow and cpu:
-            # no bf16 kernel for it here (int4_w4a8 without AVX512-VNNI, or a routed
-            # expert's, which the MoE kernels take in the rows' layout; fp8 blocks of other
-            # than a multiple of 64 k):
+            # no bf16 kernel for it here (int4_w4a8 without AVX512-VNNI; fp8 blocks of
+            # other than a multiple of 64 k):
             # every CPU with AVX-512 has AVX2 too, so bf16 engines run the AVX2 family's op
             # on rows converted to fp32 (the reference's numbers: the same rounding of x,
             # fp32 sums rounded once to bf16)
@@ -188,7 +183,6 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.kernel_op = op
         usable = (
             op is not None
-            and not (qw.scheme == "int4_w4a8" and self.routed_expert)
             and formats.kernel_supports(qw.scheme)
             and formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
         )

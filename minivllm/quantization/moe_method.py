@@ -58,7 +58,9 @@ class QuantizedMoEMethod:
         # the whole layer in one call on the stacks: fp32 engines on the AVX2 family
         # (avx2_moe.cpp's moe_quantw), bf16 engines on the AVX512-BF16 one
         # (moe_quant.cpp's moe_quant_experts: int8_w8a8 at any step, with each expert's
-        # prepacked copy past `kernel_rows`; the weight-only schemes at steps of up to
+        # prepacked copy past `kernel_rows`; int4_w4a8 at any step on each expert's
+        # panels, a copy of its int4 weights beside the stack, as its dense layers hold
+        # one; the weight-only schemes at steps of up to
         # `kernel_rows` tokens, past which an expert runs `QuantizedLinearMethod.apply` in
         # the loop, as its dense layers would); None: the routing loop in Python, an op
         # per expert
@@ -174,7 +176,6 @@ class QuantizedMoEMethod:
                     out_features=rows,
                 )
                 method = QuantizedLinearMethod(self.spec, self.requested_backend, self.source)
-                method.routed_expert = True
                 method.dtype = self.dtype
                 method.use(view, kernels)
                 self.experts[part].append(method)
@@ -191,10 +192,12 @@ class QuantizedMoEMethod:
         for part in PARTS:
             for method in self.experts[part]:
                 method.kernel_rows = self.kernel_rows
-        for part in PARTS:  # int8_w8a8's prepacked copies, one per expert, for the one call
+        # the prepacked copies, one per expert, for the one call: int8_w8a8's past
+        # kernel_rows, int4_w4a8's panels at every step (int4_w4a8.cpp's GEMM)
+        for part in PARTS:
             copies = [m.quant_weights.packed for m in self.experts[part]]
-            w8a8 = self.spec.scheme == "int8_w8a8"
-            self.packed[part] = copies if bf16 and w8a8 and None not in copies else []
+            prepacked = self.spec.scheme in ("int8_w8a8", "int4_w4a8")
+            self.packed[part] = copies if bf16 and prepacked and None not in copies else []
 
     @property
     def op_name(self) -> str:
