@@ -392,8 +392,8 @@ def packed_layout(packed: Tensor) -> str:
 # 1.49 vs 1.29 at 5, 1.46 vs 1.20 at 6, 1.74 vs 1.40 at 8). int4_w4a8 is not
 # weight-only (its activations are rounded to int8 per group, which a dequantized weight
 # times bf16 x would skip) and never runs quant_linear: its GEMM on the prepacked panels
-# (int4_w4a8.cpp) takes every batch, and where that cannot run (no AVX512-VNNI, routed
-# experts) the AVX2 family's op decides its own forms.
+# (int4_w4a8.cpp) takes every batch, routed experts' too, and where that cannot run (no
+# AVX512-VNNI) the AVX2 family's op decides its own forms.
 MAX_STREAMING_ROWS = {"int8_w8a16": 64, "fp8_w8a16": 64, "int4_w4a16": 4, "int4_w4a8": 0}
 # A MoE step's tokens spread over its experts, each of which sees a few of them: its one
 # call (moe_quant.cpp) and its experts in the routing loop keep quant_linear's exact

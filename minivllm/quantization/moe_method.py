@@ -193,11 +193,11 @@ class QuantizedMoEMethod:
             for method in self.experts[part]:
                 method.kernel_rows = self.kernel_rows
         # the prepacked copies, one per expert, for the one call: int8_w8a8's past
-        # kernel_rows, int4_w4a8's panels at every step (int4_w4a8.cpp's GEMM)
+        # kernel_rows, int4_w4a8's panels at every step (int4_w4a8.cpp's GEMM); the
+        # weight-only schemes have none
         for part in PARTS:
             copies = [m.quant_weights.packed for m in self.experts[part]]
-            prepacked = self.spec.scheme in ("int8_w8a8", "int4_w4a8")
-            self.packed[part] = copies if bf16 and prepacked and None not in copies else []
+            self.packed[part] = copies if bf16 and None not in copies else []
 
     @property
     def op_name(self) -> str:
