@@ -7,6 +7,9 @@ share.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -157,3 +160,51 @@ def test_experts_whose_down_projection_the_kernel_cannot_take_stay_on_the_loop(
         )
         llm.llm_engine.shutdown()
     assert_prompt_logprobs_close(runs["cpu_kernel"], runs["torch"])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("scheme", "options"), [("int8_w8a8", {}), ("int4_w4a8", GROUPS)])
+def test_weight_cache_serves_the_experts_prepacked_copies(moe_dir, tmp_path, scheme, options):
+    """A weight cache daemon holds the routed experts' prepacked GEMM copies (int8_w8a8's,
+    int4_w4a8's panels) as one stack per part; a mapping engine runs the one call on views
+    of the mapped stack, equal to what it would pack from the mapped rows, and generates
+    what a disk-loading engine does."""
+    from minivllm.quantization import formats, packing
+    from tests.test_weight_cache import mapping_of
+    from tests.weight_cache_harness import Daemon, assert_same_outputs, short_dir
+
+    config = {"targets": {EXPERTS_ONLY: {"scheme": scheme, **options}}}
+    quant = dict(quantization="online", quantization_config=config)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    disk = LLM(str(moe_dir), **BF16, **quant)
+    expected = disk.generate(prompts, PARAMS, use_tqdm=False)
+    disk.llm_engine.shutdown()
+    socket_dir = short_dir()
+    args = ["--quantization", "online", "--quantization-config", json.dumps(config)]
+    daemon = Daemon(moe_dir, socket_dir, tmp_path / "daemon.log", *args)
+    try:
+        daemon.wait_ready()
+        extra = {"socket_dir": str(socket_dir), "fallback": False}
+        llm = LLM(
+            str(moe_dir), load_format="ipc_cache", model_loader_extra_config=extra, **BF16, **quant
+        )
+        assert_same_outputs(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
+        layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts
+        method = layer.quant_method
+        assert method.bf16_moe_op is not None
+        for part in ("w13", "w2"):
+            stack = getattr(layer, f"{part}_packed")
+            assert "memfd:minivllm-weights" in mapping_of(stack.data_ptr())[1]
+            for e, expert in enumerate(method.experts[part]):
+                qw = expert.quant_weights
+                assert (
+                    qw.packed.data_ptr() == stack[e].data_ptr() == method.packed[part][e].data_ptr()
+                )
+                layout = "w4a8" if scheme == "int4_w4a8" else formats.packed_layout(qw.packed)
+                fresh = dataclasses.replace(qw, packed=None)
+                packing.prepack(fresh, layout)
+                assert torch.equal(qw.packed, fresh.packed), (part, e)
+        llm.llm_engine.shutdown()
+    finally:
+        daemon.stop()
+        shutil.rmtree(socket_dir)

@@ -6,6 +6,7 @@ checkpoint, each with its own socket directory.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -312,11 +313,16 @@ def test_extra_config_is_validated(bf16_dir: Path) -> None:
 
 
 def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir: Path) -> None:
-    """The daemon holds the online-quantized tensors (int4 MLPs with zero points, int8_w8a8
-    attention, an int8 LM head); a mapping engine runs them as a disk-loading one does."""
+    """The daemon holds the online-quantized tensors (int4 gate/up with zero points, int4_w4a8
+    down projections, int8_w8a8 attention, an int8 LM head) and the GEMMs' prepacked copies
+    (int8_w8a8's, int4_w4a8's panels); a mapping engine runs them as a disk-loading one does,
+    on the daemon's copies, not on copies of its own."""
+    from minivllm.quantization import formats, packing
+
     config = {
         "targets": {
-            "*mlp*": {"scheme": "int4_w4a16", "group_size": 32, "symmetric": False},
+            "*gate_up_proj": {"scheme": "int4_w4a16", "group_size": 32, "symmetric": False},
+            "*down_proj": {"scheme": "int4_w4a8", "group_size": 32},
             "*self_attn*": "int8_w8a8",
             "lm_head": "int8",
         }
@@ -332,10 +338,37 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
         str(bf16_dir), load_format="ipc_cache", model_loader_extra_config=extra, **ENGINE, **quant
     )
     assert_same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), expected)
-    layer = model_of(llm).model.layers[0].mlp.down_proj
+    layer = model_of(llm).model.layers[0].mlp.gate_up_proj
     assert layer.weight.dtype == torch.uint8 and layer.zero is not None
     assert "memfd:minivllm-weights" in mapping_of(layer.weight.data_ptr())[1]
+    assert "packed" not in dict(layer.named_buffers())  # weight-only: no GEMM copy
     assert model_of(llm).lm_head.weight.dtype == torch.int8
+    layers = model_of(llm).model.layers
+    for module in (layers[1].self_attn.qkv_proj, layers[1].mlp.down_proj):
+        qw = module.quant_method.quant_weights
+        assert (qw.packed is not None) == module.quant_method.kernels_on  # VNNI kernels here
+        if qw.packed is None:
+            continue
+        assert module.packed is qw.packed
+        assert "memfd:minivllm-weights" in mapping_of(qw.packed.data_ptr())[1]
+        layout = "w4a8" if qw.scheme == "int4_w4a8" else formats.packed_layout(qw.packed)
+        fresh = dataclasses.replace(qw, packed=None)
+        packing.prepack(fresh, layout)  # packed here from the mapped rows
+        assert torch.equal(qw.packed, fresh.packed)
+    # an engine on the reference backend maps the same daemon and leaves the copies unused
+    backends = {"linear_backend_per_quant": {"int8_w8a8": "torch", "int4_w4a8": "torch"}}
+    reference = LLM(
+        str(bf16_dir),
+        load_format="ipc_cache",
+        model_loader_extra_config=extra,
+        kernel_config=backends,
+        **ENGINE,
+        **quant,
+    )
+    down = model_of(reference).model.layers[1].mlp.down_proj
+    assert down.quant_method.backend == "torch" and "packed" not in dict(down.named_buffers())
+    assert "memfd:minivllm-weights" in mapping_of(down.weight.data_ptr())[1]
+    reference.llm_engine.shutdown()
     # a daemon holding another quantization does not serve the engine: the key says which
     with pytest.raises(WeightCacheMismatchError, match="quant"):
         LLM(

@@ -57,7 +57,8 @@ class QuantWeights:
     sums of q, `group_size` int4's k per scale (0 for per-channel schemes). `packed` is a
     prepacked copy for our GEMMs: int8_w8a8's for large batches (`packing.prepack_w8a8`: the AMX
     or VNNI GEMM's layout), int4_w4a8's for every batch (`packing.prepack_w4a8`); it is derived,
-    so `tensors()` leaves it out and a rebuilt QuantWeights prepacks anew.
+    so `tensors()` leaves it out (the layer holds it as a buffer for the weight cache:
+    `QuantizedLinearMethod.hold_packed`) and a rebuilt QuantWeights prepacks anew.
     """
 
     scheme: str

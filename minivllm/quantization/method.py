@@ -94,6 +94,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         for name, tensor in qw.tensors().items():
             layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         self.use(qw, kernels)
+        self.hold_packed(layer)
 
     def prepare_for_mapping(self, layer: nn.Module) -> None:
         """Give an unloaded layer the processed tensors' names, shapes and dtypes (left
@@ -112,27 +113,59 @@ class QuantizedLinearMethod(LinearMethodBase):
         qw = formats.QuantWeights.from_tensors(
             tensors, self.spec.scheme, self.group_size, layer.output_size, layer.input_size
         )
-        self.use(qw, kernels)
+        self.use(qw, kernels, mapped_packed=layer._buffers.get("packed"))
+        self.hold_packed(layer)
 
-    def use(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
+    # buffers a mapping engine takes from the weight cache where the daemon's load made them
+    # and its own model (`prepare_for_mapping`) has none (weight_cache/loader.install_tensors)
+    optional_mapped_buffers = ("packed",)
+
+    def use(
+        self,
+        qw: formats.QuantWeights,
+        kernels: Kernels,
+        mapped_packed: torch.Tensor | None = None,
+        huge_pages_copy: bool = True,
+    ) -> None:
         """Apply `qw` from now on: choose the op, and give int8_w8a8 on the kernels its
-        prepacked copy for large batches (made per engine, never stored): our AMX kernel's
-        layout where the CPU has AMX-INT8, else our VNNI GEMM's; int4_w4a8 its panels.
+        prepacked copy for large batches (our AMX kernel's layout where the CPU has
+        AMX-INT8, else our VNNI GEMM's) and int4_w4a8 its panels. `mapped_packed`: that copy
+        as the weight cache holds it, taken instead of packing where its shape is right.
         (An int4_w4a8 embedding table that is not the LM head gets panels it never reads:
         a copy of its int4 size, accepted to keep the fused decode step's view simple.)"""
         self.choose_backend(qw, kernels)
-        if self.op is not None and qw.scheme == "int8_w8a8":
-            amx = kernels.op("amx_w8a8_available")
-            packing.prepack_w8a8(qw, "amx" if amx is not None and amx() else "vnni")
-            self.packed_op = kernels.op("w8a8_packed_linear")
-        if self.op is not None and qw.scheme == "int4_w4a8":
-            # its GEMM reads only the panels, streamed at every decode step: huge pages
-            packing.prepack_w4a8(qw)
-            qw.packed = huge_pages.weights_arena().copy(qw.packed)
-            self.packed_op = kernels.op("int4_w4a8_packed_linear")
+        layout = self.packed_layout(qw, kernels)
+        if layout is not None:
+            packing.prepack(qw, layout, mapped_packed)
+            if layout == "w4a8" and huge_pages_copy and qw.packed is not mapped_packed:
+                # its GEMM reads only the panels, streamed at every decode step: huge pages
+                qw.packed = huge_pages.weights_arena().copy(qw.packed)
+            self.packed_op = kernels.op(
+                "int4_w4a8_packed_linear" if layout == "w4a8" else "w8a8_packed_linear"
+            )
         self.kernel_rows = formats.max_kernel_rows(qw)
         self.dequantized_rows = formats.max_dequantized_rows(qw)
         self.quant_weights = qw
+
+    def packed_layout(self, qw: formats.QuantWeights, kernels: Kernels) -> str | None:
+        """The layout of the prepacked copy `use` gives `qw` (`packing.packed_shape`'s), or
+        None where its op reads none; after `choose_backend`."""
+        if self.op is None or qw.scheme not in ("int8_w8a8", "int4_w4a8"):
+            return None
+        if qw.scheme == "int4_w4a8":
+            return "w4a8"
+        amx = kernels.op("amx_w8a8_available")
+        return "amx" if amx is not None and amx() else "vnni"
+
+    def hold_packed(self, layer: nn.Module) -> None:
+        """The prepacked copy as the layer's buffer `packed` (not persistent: no checkpoint
+        has it), so that a weight cache daemon holds it and mapping engines take it as it
+        is instead of packing their own at each start; no buffer where there is no copy."""
+        packed = None if self.quant_weights is None else self.quant_weights.packed
+        if packed is None:
+            layer._buffers.pop("packed", None)
+        else:
+            layer.register_buffer("packed", packed, persistent=False)
 
     @property
     def op_name(self) -> str:

@@ -167,6 +167,9 @@ class QuantizedMoEMethod:
             }
             stacked = formats.QuantWeights.from_tensors(tensors, self.spec.scheme, group, n, k)
             rows = n // layer.num_experts
+            mapped = layer._buffers.get(f"{part}_packed")  # the weight cache's, if it has one
+            if mapped is not None and mapped.shape[0] != layer.num_experts:
+                mapped = None
             self.experts[part] = []
             for e in range(layer.num_experts):
                 cut = slice(e * rows, (e + 1) * rows)
@@ -177,9 +180,10 @@ class QuantizedMoEMethod:
                 )
                 method = QuantizedLinearMethod(self.spec, self.requested_backend, self.source)
                 method.dtype = self.dtype
-                method.use(view, kernels)
+                method.use(view, kernels, None if mapped is None else mapped[e], False)
                 self.experts[part].append(method)
             self.stacked[part] = stacked
+            self._stack_packed(layer, part, mapped)
         first = self.experts["w13"][0]
         self.moe_op = kernels.op("moe_quantw") if first.fp32_op is not None else None
         # every product on the bf16 quant_linear (a down projection whose K, the rank's
@@ -198,6 +202,35 @@ class QuantizedMoEMethod:
         for part in PARTS:
             copies = [m.quant_weights.packed for m in self.experts[part]]
             self.packed[part] = copies if bf16 and None not in copies else []
+
+    # the experts' prepacked copies, stacked, where the weight cache holds them
+    optional_mapped_buffers = tuple(f"{part}_packed" for part in PARTS)
+
+    def _stack_packed(self, layer: nn.Module, part: str, mapped: torch.Tensor | None) -> None:
+        """The experts' prepacked copies of `part` as one stack [E, ...] on huge pages, the
+        layer's buffer `{part}_packed` (so a weight cache daemon holds it and mapping
+        engines take it: `mapped`, where every expert took its slice), each expert's copy a
+        view of it; no buffer where the experts have no copies."""
+        methods = self.experts[part]
+        copies = [m.quant_weights.packed for m in methods]
+        if None in copies:
+            layer._buffers.pop(f"{part}_packed", None)
+            return
+        taken = mapped is not None and all(
+            c.data_ptr() == mapped[e].data_ptr() for e, c in enumerate(copies)
+        )
+        stack = (
+            mapped
+            if taken
+            else huge_pages.weights_arena().empty(
+                (len(copies), *copies[0].shape), copies[0].dtype, copies[0].device
+            )
+        )
+        for e, method in enumerate(methods):
+            if not taken:
+                stack[e].copy_(copies[e])
+            method.quant_weights.packed = stack[e]
+        layer.register_buffer(f"{part}_packed", stack, persistent=False)
 
     @property
     def op_name(self) -> str:

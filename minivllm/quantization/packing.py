@@ -24,6 +24,37 @@ VNNI_PANEL = 32  # output rows per panel of pack_vnni_w8a8's layout
 PACKED_LAYOUTS = ("amx", "vnni")
 
 
+def packed_shape(qw: QuantWeights, layout: str) -> tuple[int, ...]:
+    """The shape of `qw`'s copy in `layout` ("amx" or "vnni" for int8_w8a8, "w4a8" for
+    int4_w4a8's panels): what a copy the weight cache mapped must be to stand in for one
+    packed here."""
+    n, k = qw.out_features, qw.in_features
+    if layout == "amx":
+        return (-(-n // AMX_BLOCK_N), -(-k // AMX_BLOCK_K), 2, 16, 64)
+    if layout == "vnni":
+        return (-(-n // VNNI_PANEL), k // 4, VNNI_PANEL, 4)
+    if layout == "w4a8":
+        return (-(-n // W4A8_PANEL), k // 8 * 64 + k // qw.group_size * 128)
+    raise ValueError(f"packed layout must be one of {PACKED_LAYOUTS + ('w4a8',)}, got {layout!r}")
+
+
+def prepack(qw: QuantWeights, layout: str, mapped: Tensor | None = None) -> None:
+    """Fill `qw.packed` in `layout` (`packed_shape`'s): with `mapped` where it is a copy of
+    that shape and dtype (the weight cache's, packed by the daemon from the same weights:
+    the cache key matched), else packed here."""
+    dtype = torch.uint8 if layout == "w4a8" else torch.int8
+    if (
+        mapped is not None
+        and tuple(mapped.shape) == packed_shape(qw, layout)
+        and mapped.dtype == dtype
+    ):
+        qw.packed = mapped
+    elif layout == "w4a8":
+        prepack_w4a8(qw)
+    else:
+        prepack_w8a8(qw, layout)
+
+
 def prepack_w4a8(qw: QuantWeights) -> None:
     """Fill `qw.packed` with int4_w4a8's panels (`pack_vnni_w4a8`) for its VNNI GEMM."""
     if qw.scheme != "int4_w4a8":

@@ -87,7 +87,8 @@ class WeightCacheDaemon:
         config = self.config
         kernels = select_kernels(config.device, config.model.dtype, config.cpu_kernels)
         self.key = compute_key(config, kernels, tp_rank=self.tp_rank)
-        # no prepacked copies: they are oneDNN-opaque, so each engine builds its own
+        # no oneDNN-prepacked bf16 copies (opaque to us: each engine builds its own); the
+        # quantized layers' prepacked GEMM copies are ours and held (`QuantizedLinearMethod.hold_packed`)
         model = load_model(config.model, config.device, kernels, available_bytes=None)
         draft = None
         spec = config.speculative_config

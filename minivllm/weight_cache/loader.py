@@ -235,8 +235,9 @@ def install_tensors(
     entries = [dataclasses.replace(e, name=strip(e.name)) for e in entries if ours(e.name)]
     aliases = {strip(k): strip(v) for k, v in aliases.items() if ours(str(k)) and ours(str(v))}
     modules = dict(model.named_modules(remove_duplicate=False))
-    expected = {name for name, _, _ in named_tensors(model)}
     given = {e.name for e in entries} | set(aliases)
+    _add_optional_buffers(modules, given)
+    expected = {name for name, _, _ in named_tensors(model)}
     if given != expected:
         missing, extra = sorted(expected - given), sorted(given - expected)
         raise ValueError(
@@ -259,6 +260,19 @@ def install_tensors(
     if left:
         raise ValueError(f"tensors left unmapped: {left[:5]}")
     return len(entries)
+
+
+def _add_optional_buffers(modules: dict[str, nn.Module], names: set[str]) -> None:
+    """Placeholders for the manifest's buffers that the model lacks but whose module's
+    quant method takes from the cache (`optional_mapped_buffers`: the prepacked GEMM copies
+    the daemon's load made; this engine may make none, as with another backend, and then
+    drops them)."""
+    for name in names:
+        owner, _, attr = name.rpartition(".")
+        module = modules.get(owner)
+        method = getattr(module, "quant_method", None)
+        if attr in getattr(method, "optional_mapped_buffers", ()) and attr not in module._buffers:
+            module.register_buffer(attr, torch.empty(0), persistent=False)
 
 
 def _set(modules: dict[str, nn.Module], name: str, tensor: torch.Tensor, kind: str) -> None:
