@@ -7,7 +7,6 @@ share.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -169,7 +168,7 @@ def test_weight_cache_serves_the_experts_prepacked_copies(moe_dir, tmp_path, sch
     int4_w4a8's panels) as one stack per part; a mapping engine runs the one call on views
     of the mapped stack, equal to what it would pack from the mapped rows, and generates
     what a disk-loading engine does."""
-    from minivllm.quantization import formats, packing
+    from minivllm.quantization.moe_method import PARTS
     from tests.test_weight_cache import mapping_of
     from tests.weight_cache_harness import Daemon, assert_same_outputs, short_dir
 
@@ -178,6 +177,10 @@ def test_weight_cache_serves_the_experts_prepacked_copies(moe_dir, tmp_path, sch
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     disk = LLM(str(moe_dir), **BF16, **quant)
     expected = disk.generate(prompts, PARAMS, use_tqdm=False)
+    disk_layer = disk.llm_engine.executor.runner.model.model.layers[1].mlp.experts
+    disk_stacks = {part: getattr(disk_layer, f"{part}_packed").clone() for part in PARTS}
+    # int4_w4a8's panels serve every product: its experts keep no row copy of the nibbles
+    assert (disk_layer.w13_weight.numel() == 0) == (scheme == "int4_w4a8")
     disk.llm_engine.shutdown()
     socket_dir = short_dir()
     args = ["--quantization", "online", "--quantization-config", json.dumps(config)]
@@ -192,18 +195,17 @@ def test_weight_cache_serves_the_experts_prepacked_copies(moe_dir, tmp_path, sch
         layer = llm.llm_engine.executor.runner.model.model.layers[1].mlp.experts
         method = layer.quant_method
         assert method.bf16_moe_op is not None
-        for part in ("w13", "w2"):
+        for part in PARTS:
             stack = getattr(layer, f"{part}_packed")
             assert "memfd:minivllm-weights" in mapping_of(stack.data_ptr())[1]
+            assert torch.equal(stack, disk_stacks[part])  # what the disk engine packed
+            rows = getattr(layer, f"{part}_weight")
+            assert (rows.numel() == 0) == (scheme == "int4_w4a8")  # mapped rowless, as held
             for e, expert in enumerate(method.experts[part]):
                 qw = expert.quant_weights
                 assert (
                     qw.packed.data_ptr() == stack[e].data_ptr() == method.packed[part][e].data_ptr()
                 )
-                layout = "w4a8" if scheme == "int4_w4a8" else formats.packed_layout(qw.packed)
-                fresh = dataclasses.replace(qw, packed=None)
-                packing.prepack(fresh, layout)
-                assert torch.equal(qw.packed, fresh.packed), (part, e)
         llm.llm_engine.shutdown()
     finally:
         daemon.stop()

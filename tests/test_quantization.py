@@ -188,6 +188,35 @@ def test_bf16_kernels_agree_with_the_reference_backend(make_checkpoint, quantiza
     assert_prompt_logprobs_close(runs["cpu_kernel"], runs["torch"])
 
 
+@needs_kernels
+def test_int4_w4a8_embedding_table_keeps_its_rows_and_the_head_its_panels(make_checkpoint):
+    """A tied model with its table and its LM head both int4_w4a8: the table is read by
+    lookups, so it keeps its rows and gets no panels; the head multiplies, so it runs on
+    panels and drops its rows. Both agree with the same engine on the reference backend."""
+    model_dir = make_checkpoint("Qwen3ForCausalLM")  # tied embeddings
+    spec = {"scheme": "int4_w4a8", "group_size": 32}
+    config = {"targets": {"lm_head": spec, "model.embed_tokens": spec}}
+    runs = {}
+    for backend in ("cpu_kernel", "torch"):
+        llm = _engine(
+            model_dir,
+            dtype="bfloat16",
+            quantization="online",
+            quantization_config=config,
+            kernel_config={"linear_backend_per_quant": {"int4_w4a8": backend}},
+        )
+        model = llm.llm_engine.executor.runner.model
+        table, head = model.model.embed_tokens, model.lm_head
+        assert table.quant_method.quant_weights.has_rows and "packed" not in dict(
+            table.named_buffers()
+        )
+        kernels = backend == "cpu_kernel"
+        assert head.quant_method.quant_weights.has_rows != kernels
+        assert ("packed" in dict(head.named_buffers())) == kernels
+        runs[backend] = _run(llm)
+    assert_prompt_logprobs_close(runs["cpu_kernel"], runs["torch"])
+
+
 def test_shard_targets_count_as_used_and_w8a8_embeddings_are_refused(
     make_checkpoint, caplog
 ) -> None:
@@ -291,19 +320,27 @@ def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_on_panels(
     their prepacked panels (every batch: the fused decode step and prefill), as it gives
     a MoE layer's routed experts, one set of panels per expert; without VNNI the scheme
     borrows the AVX2 family's op, and without that too it runs the reference."""
+    from safetensors import safe_open
+
     from minivllm.quantization.config import SchemeSpec
     from minivllm.quantization.method import QuantizedLinearMethod
 
+    model_dir = make_checkpoint("Qwen3ForCausalLM")
     llm = _engine(
-        make_checkpoint("Qwen3ForCausalLM"),
-        dtype="bfloat16",
-        quantization="int4_w4a8",
-        quantization_config=SMALL_GROUPS,
+        model_dir, dtype="bfloat16", quantization="int4_w4a8", quantization_config=SMALL_GROUPS
     )
     method = _layers(llm)["model.layers.0.mlp.down_proj"]
     assert method.backend == "cpu_kernel" and method.fp32_op is None
     qw = method.quant_weights
-    assert qw.packed is not None and torch.equal(qw.packed, packing.pack_vnni_w4a8(qw))
+    # the panels of the checkpoint's weight, and no row copy of the nibbles beside them
+    with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
+        full = f.get_tensor("model.layers.0.mlp.down_proj.weight").to(torch.bfloat16)
+    want = formats.quantize(full, "int4_w4a8", 32)
+    assert qw.packed is not None and torch.equal(qw.packed, packing.pack_vnni_w4a8(want))
+    model = llm.llm_engine.executor.runner.model
+    assert (
+        not qw.has_rows and model.get_submodule("model.layers.0.mlp.down_proj").weight.numel() == 0
+    )
     assert "int4_w4a8_packed_linear" in method.op_name
     [out] = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=3))
     assert len(out.outputs[0].token_ids) == 3
@@ -311,6 +348,7 @@ def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_on_panels(
     expert = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 32))
     expert.use(expert_qw, method_kernels(llm))
     assert expert.fp32_op is None and expert.packed_op is not None
+    assert not expert.quant_weights.has_rows
     assert torch.equal(expert_qw.packed, packing.pack_vnni_w4a8(expert_qw))
     # a CPU without AVX512-VNNI: the AVX2 family's op on rows converted to fp32; and
     # where that family is missing too (its build failed), the reference, never

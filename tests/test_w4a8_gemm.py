@@ -73,6 +73,27 @@ def test_pack_vnni_w4a8_puts_each_weight_where_the_gemm_reads_it():
         packing.pack_vnni_w4a8(formats.quantize(torch.randn(16, 64), "int8_w8a8"))
 
 
+@pytest.mark.parametrize("n,k,group", [(21, 64, 32), (16, 128, 64), (300, 512, 128)])
+def test_rows_rebuilt_from_the_panels_are_the_rows_packed(n, k, group):
+    """int4_w4a8 on its panels drops its row copy (`packing.drop_rows`); an engine that
+    reads rows rebuilds them from the panels (`packing.with_rows`): the same bytes, for a
+    partial last panel too; and no rows and no panels is an error that says what to do."""
+    gen = torch.Generator().manual_seed(n)
+    qw = formats.quantize(torch.randn(n, k, generator=gen), "int4_w4a8", group, symmetric=False)
+    packing.prepack_w4a8(qw)
+    rowless = packing.drop_rows(qw)
+    assert not rowless.has_rows and rowless.weight.shape == (n, 0) and qw.has_rows
+    rebuilt = packing.with_rows(rowless, qw.packed)
+    assert torch.equal(rebuilt.weight, qw.weight) and rebuilt.has_rows
+    assert packing.with_rows(qw, None) is qw  # rows already there
+    with pytest.raises(ValueError, match="restart the weight cache daemon"):
+        packing.with_rows(rowless, None)
+    with pytest.raises(ValueError, match="restart the weight cache daemon"):
+        packing.prepack(packing.drop_rows(qw), "w4a8", qw.packed[:, 1:])  # panels of another shape
+    with pytest.raises(ValueError, match="do not fit"):
+        packing.rows_of_vnni_w4a8(qw.packed[1:], qw)
+
+
 @needs_vnni
 @pytest.mark.parametrize(
     "m,n,k,group,symmetric",

@@ -6,7 +6,6 @@ checkpoint, each with its own socket directory.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import logging
@@ -317,7 +316,9 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
     down projections, int8_w8a8 attention, an int8 LM head) and the GEMMs' prepacked copies
     (int8_w8a8's, int4_w4a8's panels); a mapping engine runs them as a disk-loading one does,
     on the daemon's copies, not on copies of its own."""
-    from minivllm.quantization import formats, packing
+    from safetensors import safe_open
+
+    from minivllm.quantization import formats
 
     config = {
         "targets": {
@@ -330,6 +331,10 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
     quant = dict(quantization="online", quantization_config=config)
     disk = LLM(str(bf16_dir), **ENGINE, **quant)
     expected = disk.generate(PROMPTS, GREEDY, use_tqdm=False)
+    names = ("self_attn.qkv_proj", "mlp.down_proj")
+    disk_layer = model_of(disk).model.layers[1]
+    disk_packed = {n: disk_layer.get_submodule(n).quant_method.quant_weights.packed for n in names}
+    disk_packed = {n: None if p is None else p.clone() for n, p in disk_packed.items()}
     disk.llm_engine.shutdown()
     daemon = start_daemon("--quantization", "online", "--quantization-config", json.dumps(config))
     daemon.wait_ready()
@@ -343,18 +348,18 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
     assert "memfd:minivllm-weights" in mapping_of(layer.weight.data_ptr())[1]
     assert "packed" not in dict(layer.named_buffers())  # weight-only: no GEMM copy
     assert model_of(llm).lm_head.weight.dtype == torch.int8
-    layers = model_of(llm).model.layers
-    for module in (layers[1].self_attn.qkv_proj, layers[1].mlp.down_proj):
+    for name in names:
+        module = model_of(llm).model.layers[1].get_submodule(name)
         qw = module.quant_method.quant_weights
         assert (qw.packed is not None) == module.quant_method.kernels_on  # VNNI kernels here
         if qw.packed is None:
             continue
         assert module.packed is qw.packed
         assert "memfd:minivllm-weights" in mapping_of(qw.packed.data_ptr())[1]
-        layout = "w4a8" if qw.scheme == "int4_w4a8" else formats.packed_layout(qw.packed)
-        fresh = dataclasses.replace(qw, packed=None)
-        packing.prepack(fresh, layout)  # packed here from the mapped rows
-        assert torch.equal(qw.packed, fresh.packed)
+        assert torch.equal(qw.packed, disk_packed[name])  # what the disk engine packed
+        # int4_w4a8 on its panels keeps no row copy of the nibbles, held or mapped
+        assert qw.has_rows == (qw.scheme != "int4_w4a8")
+        assert module.weight.shape == qw.weight.shape
     # an engine on the reference backend maps the same daemon and leaves the copies unused
     backends = {"linear_backend_per_quant": {"int8_w8a8": "torch", "int4_w4a8": "torch"}}
     reference = LLM(
@@ -367,7 +372,12 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
     )
     down = model_of(reference).model.layers[1].mlp.down_proj
     assert down.quant_method.backend == "torch" and "packed" not in dict(down.named_buffers())
-    assert "memfd:minivllm-weights" in mapping_of(down.weight.data_ptr())[1]
+    if disk_packed["mlp.down_proj"] is not None:  # the daemon held panels, not rows
+        # rebuilt from the mapped panels: the rows quantizing the checkpoint's weight gives
+        with safe_open(bf16_dir / "model.safetensors", "pt") as f:
+            full = f.get_tensor("model.layers.1.mlp.down_proj.weight")
+        want = formats.quantize(full, "int4_w4a8", 32, symmetric=True)
+        assert torch.equal(down.weight, want.weight) and down.quant_method.quant_weights.has_rows
     reference.llm_engine.shutdown()
     # a daemon holding another quantization does not serve the engine: the key says which
     with pytest.raises(WeightCacheMismatchError, match="quant"):

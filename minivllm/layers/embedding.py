@@ -19,6 +19,10 @@ from minivllm.layers.panel_linear import panel_rows
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a contiguous slice of the vocabulary (the last one zero-padded)."""
 
+    # read by lookups only, never multiplied: a quantized table keeps the rows `lookup`
+    # reads and no GEMM copies (QuantizedLinearMethod.use); the LM head multiplies
+    is_lookup_table = True
+
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
@@ -75,6 +79,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     Its weight belongs to `quant_method`, as a linear layer's does (with tied
     embeddings the model then points `weight` at the embedding's).
     """
+
+    is_lookup_table = False
 
     def __init__(
         self, vocab_size: int, hidden_size: int, quant_method: LinearMethodBase | None = None

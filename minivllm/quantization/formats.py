@@ -78,6 +78,12 @@ class QuantWeights:
     def kind(self) -> int:
         return KERNEL_KIND[self.scheme]
 
+    @property
+    def has_rows(self) -> bool:
+        """False for int4_w4a8 whose row copy of the nibbles was dropped (`weight` is
+        [N, 0]) because its panel GEMM reads only `packed` (`packing.drop_rows`)."""
+        return self.weight.shape[-1] != 0 or self.in_features == 0
+
     def tensors(self) -> dict[str, Tensor]:
         """The stored tensors by name (the None ones left out), to register as parameters."""
         named = {"weight": self.weight, "scale": self.scale, "zero": self.zero, "wsum": self.wsum}
@@ -112,6 +118,8 @@ def _check_layout(qw: QuantWeights) -> None:
         raise ValueError(f"unknown quantization scheme {qw.scheme!r}; known: {SCHEMES}")
     want_dtype = torch.int8 if qw.scheme.startswith("int8") else torch.uint8
     want_shape = (n, k // 2) if qw.scheme in INT4_SCHEMES else (n, k)
+    if qw.scheme == "int4_w4a8" and qw.weight.shape == (n, 0):
+        want_shape = (n, 0)  # rowless: its panels hold the nibbles (`has_rows`)
     _expect(qw.weight, "weight", want_dtype, want_shape)
     if qw.scheme in INT4_SCHEMES:
         if not _divides(INT4_CHUNK, qw.group_size) or k % qw.group_size:

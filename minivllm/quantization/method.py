@@ -19,7 +19,10 @@ bf16 copy is never written out. int8_w8a8 at large batches runs a GEMM on its pr
 copy: our AMX kernel where the CPU has AMX-INT8, else our AVX512-VNNI GEMM. int4_w4a8
 runs every batch on its own prepacked copy, panels of 16 int4 rows for an AVX512-VNNI
 GEMM (`packing.pack_vnni_w4a8`), a MoE layer's routed experts too (each expert its own
-panels); CPUs without VNNI borrow the AVX2 family's op for it.
+panels), and then keeps no row copy of the nibbles (`packing.drop_rows`; an embedding
+table, read by lookups, keeps its rows and gets no panels); CPUs without VNNI borrow the
+AVX2 family's op for it, on the rows. The prepacked copies are the layer's buffers, so
+the weight cache (Fast Start) holds them and mapping engines do not repack.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.kernel_op = None  # the compiled quant_linear the engine offered, used or not
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
+        self.lookup_table = False  # an embedding table's: read by `embed`, never multiplied
 
     @property
     def kernels_on(self) -> bool:
@@ -86,14 +90,18 @@ class QuantizedLinearMethod(LinearMethodBase):
 
     def install(self, layer: nn.Module, qw: formats.QuantWeights, kernels: Kernels) -> None:
         """Replace the layer's checkpoint tensors with `qw`'s and choose the op. The tensors
-        move to huge pages first (utils/huge_pages.py: ~1.08x on the int4 decode stream)."""
-        arena = huge_pages.weights_arena()
-        qw = dataclasses.replace(qw, **{n: arena.copy(t) for n, t in qw.tensors().items()})
+        the op keeps then move to huge pages (utils/huge_pages.py: ~1.08x on the int4
+        decode stream); rows `use` drops never go there."""
         for name in [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]:
             delattr(layer, name)
+        self.lookup_table = bool(getattr(layer, "is_lookup_table", False))
+        self.use(qw, kernels)
+        arena = huge_pages.weights_arena()
+        qw = self.quant_weights
+        qw = dataclasses.replace(qw, **{n: arena.copy(t) for n, t in qw.tensors().items()})
+        self.quant_weights = qw
         for name, tensor in qw.tensors().items():
             layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
-        self.use(qw, kernels)
         self.hold_packed(layer)
 
     def prepare_for_mapping(self, layer: nn.Module) -> None:
@@ -113,7 +121,11 @@ class QuantizedLinearMethod(LinearMethodBase):
         qw = formats.QuantWeights.from_tensors(
             tensors, self.spec.scheme, self.group_size, layer.output_size, layer.input_size
         )
+        self.lookup_table = bool(getattr(layer, "is_lookup_table", False))
         self.use(qw, kernels, mapped_packed=layer._buffers.get("packed"))
+        weight = self.quant_weights.weight
+        if weight is not tensors["weight"]:  # rows dropped, or rebuilt from mapped panels
+            layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
         self.hold_packed(layer)
 
     # buffers a mapping engine takes from the weight cache where the daemon's load made them
@@ -129,17 +141,22 @@ class QuantizedLinearMethod(LinearMethodBase):
     ) -> None:
         """Apply `qw` from now on: choose the op, and give int8_w8a8 on the kernels its
         prepacked copy for large batches (our AMX kernel's layout where the CPU has
-        AMX-INT8, else our VNNI GEMM's) and int4_w4a8 its panels. `mapped_packed`: that copy
-        as the weight cache holds it, taken instead of packing where its shape is right.
-        (An int4_w4a8 embedding table that is not the LM head gets panels it never reads:
-        a copy of its int4 size, accepted to keep the fused decode step's view simple.)"""
+        AMX-INT8, else our VNNI GEMM's) and int4_w4a8 its panels, which then serve every
+        call: its row copy of the nibbles is dropped (`packing.drop_rows`). `mapped_packed`:
+        that copy as the weight cache holds it, taken instead of packing where its shape is
+        right; an int4_w4a8 layer that reads rows (the reference backend, an embedding
+        table's lookups) and came without them has them rebuilt from it."""
         self.choose_backend(qw, kernels)
-        layout = self.packed_layout(qw, kernels)
+        layout = None if self.lookup_table else self.packed_layout(qw, kernels)
+        if layout is None and qw.scheme == "int4_w4a8":
+            qw = packing.with_rows(qw, mapped_packed)
         if layout is not None:
             packing.prepack(qw, layout, mapped_packed)
             if layout == "w4a8" and huge_pages_copy and qw.packed is not mapped_packed:
                 # its GEMM reads only the panels, streamed at every decode step: huge pages
                 qw.packed = huge_pages.weights_arena().copy(qw.packed)
+            if layout == "w4a8":
+                qw = packing.drop_rows(qw)
             self.packed_op = kernels.op(
                 "int4_w4a8_packed_linear" if layout == "w4a8" else "w8a8_packed_linear"
             )

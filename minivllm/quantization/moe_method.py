@@ -69,6 +69,7 @@ class QuantizedMoEMethod:
         self.kernel_rows = 0
         self.packed: dict[str, list[torch.Tensor]] = {p: [] for p in PARTS}
         self.stacked: dict[str, formats.QuantWeights] = {}
+        self._plain_rows: set[str] = set()  # parts whose rows `_build_stacks` kept off huge pages
 
     @property
     def group(self) -> int:
@@ -105,6 +106,7 @@ class QuantizedMoEMethod:
         for part, (n, k) in self.shapes(layer).items():
             full = getattr(layer, part).data
             stacks = self._build_stacks(
+                part,
                 layer.num_experts,
                 n,
                 k,
@@ -119,19 +121,26 @@ class QuantizedMoEMethod:
 
     def _build_stacks(
         self,
+        part: str,
         num_experts: int,
         n: int,
         k: int,
         device: torch.device,
         expert: Callable[[int], formats.QuantWeights],
     ) -> dict[str, torch.Tensor]:
-        """The processed tensors of an [n, k] stack (on huge pages on CPU), filled one
-        expert at a time from `expert(e)`, that expert's rows as the scheme's tensors."""
+        """The processed tensors of `part`'s [n, k] stack (on huge pages on CPU), filled
+        one expert at a time from `expert(e)`, that expert's rows as the scheme's tensors."""
         arena = huge_pages.weights_arena()
         shapes = processed_shapes(self.spec, n, k, self.group)
         stacks = {
             name: arena.empty(shape, dtype, device) for name, (shape, dtype) in shapes.items()
         }
+        if self.spec.scheme == "int4_w4a8":
+            # rows its panels may replace (`_settle_rows` moves them once they stay): in
+            # the arena they would pin its chunks after being dropped
+            shape, dtype = shapes["weight"]
+            stacks["weight"] = torch.empty(shape, dtype=dtype, device=device)
+            self._plain_rows.add(part)
         rows = n // num_experts
         for e in range(num_experts):
             for name, tensor in expert(e).tensors().items():
@@ -184,6 +193,7 @@ class QuantizedMoEMethod:
                 self.experts[part].append(method)
             self.stacked[part] = stacked
             self._stack_packed(layer, part, mapped)
+            self._settle_rows(layer, part)
         first = self.experts["w13"][0]
         self.moe_op = kernels.op("moe_quantw") if first.fp32_op is not None else None
         # every product on the bf16 quant_linear (a down projection whose K, the rank's
@@ -202,6 +212,33 @@ class QuantizedMoEMethod:
         for part in PARTS:
             copies = [m.quant_weights.packed for m in self.experts[part]]
             self.packed[part] = copies if bf16 and None not in copies else []
+
+    def _settle_rows(self, layer: nn.Module, part: str) -> None:
+        """Make the stacked rows of `part` what the experts kept (alike, one scheme and
+        backend): none where they dropped their row copies (int4_w4a8 on its panels:
+        `{part}_weight` becomes [n, 0]); the experts' rows as one stack on huge pages
+        where the stack came without them (mapped rowless from the weight cache by an
+        engine that reads rows) or was built in plain memory (`_build_stacks`)."""
+        methods, stacked = self.experts[part], self.stacked[part]
+        plain = part in self._plain_rows
+        self._plain_rows.discard(part)
+        if not methods[0].quant_weights.has_rows:
+            rows = torch.empty(stacked.out_features, 0, dtype=torch.uint8)
+        elif not stacked.has_rows or plain:
+            rows = (
+                stacked.weight
+                if stacked.has_rows
+                else torch.cat([m.quant_weights.weight for m in methods])
+            )
+            rows = huge_pages.weights_arena().copy(rows)
+            cut = rows.shape[0] // len(methods)
+            for e, method in enumerate(methods):
+                qw = method.quant_weights
+                method.quant_weights = dataclasses.replace(qw, weight=rows[e * cut : (e + 1) * cut])
+        else:
+            return
+        self.stacked[part] = dataclasses.replace(stacked, weight=rows)
+        layer.register_parameter(f"{part}_weight", nn.Parameter(rows, requires_grad=False))
 
     # the experts' prepacked copies, stacked, where the weight cache holds them
     optional_mapped_buffers = tuple(f"{part}_packed" for part in PARTS)
@@ -449,6 +486,7 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
         for part, (n, k) in self.shapes(layer).items():
             stack = self._stacks.pop(part)
             stacks = self._build_stacks(
+                part,
                 layer.num_experts,
                 n,
                 k,

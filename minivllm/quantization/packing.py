@@ -9,6 +9,8 @@ VNNI panels (`pack_vnni_w8a8`, quant_w8a8.cpp), and int4_w4a8's VNNI panels
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -16,6 +18,7 @@ from minivllm.quantization.formats import (
     INT4_SCHEMES,
     INT4_SYMMETRIC_ZERO,
     QuantWeights,
+    pack_int4,
     unpack_int4,
 )
 
@@ -49,6 +52,12 @@ def prepack(qw: QuantWeights, layout: str, mapped: Tensor | None = None) -> None
         and mapped.dtype == dtype
     ):
         qw.packed = mapped
+    elif not qw.has_rows:
+        raise ValueError(
+            f"an int4_w4a8 layer of [{qw.out_features}, {qw.in_features}] came without its "
+            "rows and without panels of its shape; restart the weight cache daemon with "
+            "this engine's settings"
+        )
     elif layout == "w4a8":
         prepack_w4a8(qw)
     else:
@@ -102,6 +111,43 @@ def pack_vnni_w4a8(qw: QuantWeights) -> Tensor:
         return t.view(t.shape[0], -1).view(torch.uint8)
 
     return torch.cat((weights, per_panel(qw.scale), per_panel(zero)), dim=1).contiguous()
+
+
+def rows_of_vnni_w4a8(packed: Tensor, qw: QuantWeights) -> Tensor:
+    """The int4 rows (formats' packing, uint8 [N, K/2]) that `pack_vnni_w4a8` made `packed`
+    from, for `qw`'s shape: its inverse on the nibbles, exact."""
+    n, k = qw.out_features, qw.in_features
+    if tuple(packed.shape) != packed_shape(qw, "w4a8") or packed.dtype != torch.uint8:
+        raise ValueError(f"int4_w4a8 panels of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
+    panels = packed.shape[0]
+    nibbles = packed[:, : k // 8 * 64].reshape(panels, k // 8, W4A8_PANEL, 4)  # p s i j
+    q = torch.stack((nibbles & 0xF, nibbles >> 4), dim=3)  # p s i half j
+    q = q.permute(0, 2, 1, 3, 4).reshape(panels * W4A8_PANEL, k)[:n]
+    return pack_int4(q.contiguous())
+
+
+def drop_rows(qw: QuantWeights) -> QuantWeights:
+    """int4_w4a8 without its row copy of the nibbles (`weight` [N, 0]), where its panels
+    (`qw.packed`) serve every call: the rows would be a second int4-sized copy nothing
+    reads. Scales and zero points stay (1/16 of the nibbles at groups of 128)."""
+    if qw.scheme != "int4_w4a8" or qw.packed is None:
+        raise ValueError("only int4_w4a8 weights with their panels can drop their rows")
+    empty = torch.empty(qw.out_features, 0, dtype=torch.uint8, device=qw.weight.device)
+    return dataclasses.replace(qw, weight=empty)
+
+
+def with_rows(qw: QuantWeights, panels: Tensor | None) -> QuantWeights:
+    """`qw` with its row copy of the nibbles, rebuilt from `panels` where it has none (an
+    engine that reads rows, such as one on the reference backend, mapping a rowless
+    layer from the weight cache)."""
+    if qw.has_rows:
+        return qw
+    if panels is None:
+        raise ValueError(
+            "an int4_w4a8 layer came without its rows and without the panels that hold "
+            "them; restart the weight cache daemon with this engine's settings"
+        )
+    return dataclasses.replace(qw, weight=rows_of_vnni_w4a8(panels, qw), packed=None)
 
 
 def pack_amx_w8a8(q: Tensor) -> Tensor:
