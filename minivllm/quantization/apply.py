@@ -55,8 +55,9 @@ def assign_quant_methods(
 
     `checkpoint` (a `compressed_tensors.CheckpointQuantization`, or None) names the layers
     the checkpoint stores quantized; `config`'s targets apply to the others only."""
+    from minivllm.quantization.checkpoint_moe import CheckpointMoEMethod
     from minivllm.quantization.method import QuantizedLinearMethod
-    from minivllm.quantization.moe_method import CheckpointMoEMethod, QuantizedMoEMethod
+    from minivllm.quantization.moe_method import QuantizedMoEMethod
 
     modules = quantizable_modules(model)
     backends = config.backends if config else {}

@@ -1,7 +1,7 @@
 """Checkpoints in transformers' (and vLLM's `Fp8Config`) fp8 format: `quant_method: "fp8"`.
 
 What Qwen's and DeepSeek's official FP8 releases ship (DeepSeek's routed experts load
-through `moe_method.CheckpointMoEMethod`). config.json carries
+through `checkpoint_moe.CheckpointMoEMethod`). config.json carries
 `{"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic" | "static",
 "weight_block_size": [128, 128] | null, "modules_to_not_convert": [...] | null}`; each
 quantized linear stores `weight` (float8_e4m3fn [N, K]) and either `weight_scale_inv`
