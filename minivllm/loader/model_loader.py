@@ -22,6 +22,7 @@ from minivllm.loader.safetensors_loader import iterate_weights
 from minivllm.models.registry import resolve_model_class
 from minivllm.quantization.method import log_backends
 from minivllm.utils import huge_pages
+from minivllm.utils.memory import release_freed_host_memory
 
 logger = logging.getLogger("minivllm")
 
@@ -159,3 +160,7 @@ def process_weights_after_loading(
     for module in model.modules():
         if isinstance(module, CustomOp):
             module.select_kernels(kernels)
+    if not mapped:
+        # what processing freed (checkpoint weights quantized, copies moved to huge pages)
+        # goes back to the kernel now, before the KV cache is sized from available memory
+        release_freed_host_memory()

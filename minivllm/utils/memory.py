@@ -19,14 +19,22 @@ def default_kv_cache_bytes(device: str, model_bytes: int) -> int:
 
 def available_host_bytes() -> int:
     """MemAvailable from /proc/meminfo, else the free pages sysconf reports."""
+    available = _proc_field("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        return available
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _proc_field(path: str, field: str) -> int | None:
+    """A `field: N kB` line of a /proc file, in bytes; None where it is missing."""
     try:
-        with open("/proc/meminfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
 
 
 # glibc's mallopt parameters
@@ -59,3 +67,24 @@ def keep_freed_host_memory() -> bool:
         mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
         and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
     )
+
+
+def release_freed_host_memory() -> bool:
+    """Hand the heap's free pages back to the kernel (glibc's malloc_trim), once a load is
+    processed: `keep_freed_host_memory`'s thresholds would otherwise keep every
+    full-precision weight that online quantization freed, and the process would stay at
+    the load's peak. Linux with glibc only; returns whether anything was released."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    return bool(trim(0))
+
+
+def anonymous_resident_bytes() -> int:
+    """This process's RssAnon (0 where /proc is missing)."""
+    return _proc_field("/proc/self/status", "RssAnon") or 0
