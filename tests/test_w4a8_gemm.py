@@ -14,6 +14,8 @@ both sides and K 2^-23 of the terms: generous by the factor of two."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -92,6 +94,14 @@ def test_rows_rebuilt_from_the_panels_are_the_rows_packed(n, k, group):
         packing.prepack(packing.drop_rows(qw), "w4a8", qw.packed[:, 1:])  # panels of another shape
     with pytest.raises(ValueError, match="do not fit"):
         packing.rows_of_vnni_w4a8(qw.packed[1:], qw)
+    # int8_w8a8 on VNNI panels likewise
+    q8 = formats.quantize(torch.randn(n, k, generator=gen), "int8_w8a8")
+    packing.prepack(q8, "vnni")
+    rowless8 = packing.drop_rows(q8)
+    assert not rowless8.has_rows and rowless8.weight.dtype == torch.int8
+    assert torch.equal(packing.with_rows(rowless8, q8.packed).weight, q8.weight)
+    with pytest.raises(ValueError, match="VNNI panels"):
+        packing.drop_rows(dataclasses.replace(q8, packed=packing.pack_amx_w8a8(q8.weight)))
 
 
 @needs_vnni

@@ -357,8 +357,9 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
         assert module.packed is qw.packed
         assert "memfd:minivllm-weights" in mapping_of(qw.packed.data_ptr())[1]
         assert torch.equal(qw.packed, disk_packed[name])  # what the disk engine packed
-        # int4_w4a8 on its panels keeps no row copy of the nibbles, held or mapped
-        assert qw.has_rows == (qw.scheme != "int4_w4a8")
+        # on VNNI panels (int4_w4a8's; int8_w8a8's without AMX) no row copy, held or mapped
+        amx = qw.scheme == "int8_w8a8" and formats.packed_layout(qw.packed) == "amx"
+        assert qw.has_rows == amx
         assert module.weight.shape == qw.weight.shape
     # an engine on the reference backend maps the same daemon and leaves the copies unused
     backends = {"linear_backend_per_quant": {"int8_w8a8": "torch", "int4_w4a8": "torch"}}
@@ -378,6 +379,11 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
             full = f.get_tensor("model.layers.1.mlp.down_proj.weight")
         want = formats.quantize(full, "int4_w4a8", 32, symmetric=True)
         assert torch.equal(down.weight, want.weight) and down.quant_method.quant_weights.has_rows
+    qkv = model_of(reference).model.layers[1].self_attn.qkv_proj
+    with safe_open(bf16_dir / "model.safetensors", "pt") as f:
+        names = [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
+        full = torch.cat([f.get_tensor(name) for name in names])
+    assert torch.equal(qkv.weight, formats.quantize(full, "int8_w8a8").weight)  # as rebuilt
     reference.llm_engine.shutdown()
     # a daemon holding another quantization does not serve the engine: the key says which
     with pytest.raises(WeightCacheMismatchError, match="quant"):

@@ -95,7 +95,8 @@ torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel
   const int64_t group_size = scale->dim() == 2 ? x.size(1) / scale->size(1) : 0;
   const bool fp8_blocks = l.kind == 3 && group_size > 0;
   if (x.size(0) > max_quant_rows[fp8_blocks ? FP8_BLOCKS_ROWS : l.kind]) {
-    if (l.kind == 4) return w8a8_packed_linear(x, *packed, l.w.size(1), *scale, *wsum, maybe(l.bias));
+    // x's K, not the rows' (int8_w8a8 on VNNI panels keeps none: packing.drop_rows)
+    if (l.kind == 4) return w8a8_packed_linear(x, *packed, x.size(1), *scale, *wsum, maybe(l.bias));
     if (l.kind == 5) return int4_w4a8_packed_linear(x, *packed, scale->size(0), group_size, maybe(l.bias));
     const int64_t dequantized = l.kind == 2 ? max_quant_rows[INT4_DEQUANTIZED_ROWS]
                                 : fp8_blocks ? max_quant_rows[FP8_BLOCKS_DEQUANTIZED_ROWS]

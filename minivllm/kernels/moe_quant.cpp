@@ -73,7 +73,7 @@ torch::Tensor moe_quant_experts(torch::Tensor x, torch::Tensor topk_weights, tor
                           rows_of(ws, e * rows, rows), group_size, c10::nullopt);
     TORCH_CHECK(packed, "moe_quant_experts: ", a.size(0), " tokens for one expert, past the kernel's ",
                 max_kernel_rows, " rows (the routing loop dequantizes for those)");
-    return w8a8_packed_linear(a, copies[e], w.size(1), se, ws->narrow(0, e * rows, rows), c10::nullopt);
+    return w8a8_packed_linear(a, copies[e], a.size(1), se, ws->narrow(0, e * rows, rows), c10::nullopt);
   };
   x = x.contiguous();
   const ExpertTokens routes = tokens_by_expert(topk_weights, topk_ids, T, E);

@@ -80,8 +80,8 @@ class QuantWeights:
 
     @property
     def has_rows(self) -> bool:
-        """False for int4_w4a8 whose row copy of the nibbles was dropped (`weight` is
-        [N, 0]) because its panel GEMM reads only `packed` (`packing.drop_rows`)."""
+        """False for int4_w4a8 or int8_w8a8 whose row copy of the weight was dropped
+        (`weight` is [N, 0]) because its panel GEMM reads only `packed` (`packing.drop_rows`)."""
         return self.weight.shape[-1] != 0 or self.in_features == 0
 
     def tensors(self) -> dict[str, Tensor]:
@@ -118,8 +118,8 @@ def _check_layout(qw: QuantWeights) -> None:
         raise ValueError(f"unknown quantization scheme {qw.scheme!r}; known: {SCHEMES}")
     want_dtype = torch.int8 if qw.scheme.startswith("int8") else torch.uint8
     want_shape = (n, k // 2) if qw.scheme in INT4_SCHEMES else (n, k)
-    if qw.scheme == "int4_w4a8" and qw.weight.shape == (n, 0):
-        want_shape = (n, 0)  # rowless: its panels hold the nibbles (`has_rows`)
+    if qw.scheme in ("int4_w4a8", "int8_w8a8") and qw.weight.shape == (n, 0):
+        want_shape = (n, 0)  # rowless: its panels hold the weight (`has_rows`)
     _expect(qw.weight, "weight", want_dtype, want_shape)
     if qw.scheme in INT4_SCHEMES:
         if not _divides(INT4_CHUNK, qw.group_size) or k % qw.group_size:

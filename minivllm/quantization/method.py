@@ -20,7 +20,8 @@ copy: our AMX kernel where the CPU has AMX-INT8, else our AVX512-VNNI GEMM. int4
 runs every batch on its own prepacked copy, panels of 16 int4 rows for an AVX512-VNNI
 GEMM (`packing.pack_vnni_w4a8`), a MoE layer's routed experts too (each expert its own
 panels), and then keeps no row copy of the nibbles (`packing.drop_rows`; an embedding
-table, read by lookups, keeps its rows and gets no panels); CPUs without VNNI borrow the
+table, read by lookups, keeps its rows and gets no panels), nor does int8_w8a8 where its
+VNNI panels take every batch (CPUs without AMX); CPUs without VNNI borrow the
 AVX2 family's op for it, on the rows. The prepacked copies are the layer's buffers, so
 the weight cache (Fast Start) holds them and mapping engines do not repack.
 """
@@ -142,20 +143,22 @@ class QuantizedLinearMethod(LinearMethodBase):
         """Apply `qw` from now on: choose the op, and give int8_w8a8 on the kernels its
         prepacked copy for large batches (our AMX kernel's layout where the CPU has
         AMX-INT8, else our VNNI GEMM's) and int4_w4a8 its panels, which then serve every
-        call: its row copy of the nibbles is dropped (`packing.drop_rows`). `mapped_packed`:
+        call: its row copy of the nibbles is dropped (`packing.drop_rows`), as int8_w8a8's
+        where its VNNI panels take every batch. `mapped_packed`:
         that copy as the weight cache holds it, taken instead of packing where its shape is
         right; an int4_w4a8 layer that reads rows (the reference backend, an embedding
         table's lookups) and came without them has them rebuilt from it."""
         self.choose_backend(qw, kernels)
         layout = None if self.lookup_table else self.packed_layout(qw, kernels)
-        if layout is None and qw.scheme == "int4_w4a8":
+        if layout is None:
             qw = packing.with_rows(qw, mapped_packed)
         if layout is not None:
             packing.prepack(qw, layout, mapped_packed)
             if layout == "w4a8" and huge_pages_copy and qw.packed is not mapped_packed:
                 # its GEMM reads only the panels, streamed at every decode step: huge pages
                 qw.packed = huge_pages.weights_arena().copy(qw.packed)
-            if layout == "w4a8":
+            if layout == "w4a8" or formats.max_kernel_rows(qw) == 0:
+                # the panels serve every call (int8_w8a8's too on VNNI without AMX)
                 qw = packing.drop_rows(qw)
             self.packed_op = kernels.op(
                 "int4_w4a8_packed_linear" if layout == "w4a8" else "w8a8_packed_linear"
@@ -257,7 +260,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             out = self._apply_fp32(rows.float(), qw, None if bias is None else bias.float())
             return out.to(x.dtype).view(*x.shape[:-1], qw.out_features)
         if self.op is None or x.dtype != torch.bfloat16:
-            return formats.reference_linear(x, qw, bias)
+            return formats.reference_linear(x, packing.with_rows(qw, qw.packed), bias)
         if qw.scheme == "int4_w4a8":  # every batch on the panels (int4_w4a8.cpp)
             out = self.packed_op(rows, qw.packed, qw.out_features, qw.group_size, bias)
         elif rows.shape[0] <= self.kernel_rows:

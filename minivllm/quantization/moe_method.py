@@ -135,7 +135,7 @@ class QuantizedMoEMethod:
         stacks = {
             name: arena.empty(shape, dtype, device) for name, (shape, dtype) in shapes.items()
         }
-        if self.spec.scheme == "int4_w4a8":
+        if self.spec.scheme in ("int4_w4a8", "int8_w8a8"):
             # rows its panels may replace (`_settle_rows` moves them once they stay): in
             # the arena they would pin its chunks after being dropped
             shape, dtype = shapes["weight"]
@@ -203,6 +203,8 @@ class QuantizedMoEMethod:
         # the scheme's, the same for every expert; the loop's experts take it too, so that
         # the loop computes what the one call does (int4: exact products up to 8 rows)
         self.kernel_rows = formats.moe_one_call_rows(first.quant_weights)
+        if self.kernel_rows and not first.quant_weights.has_rows:  # rows run quant_linear
+            raise RuntimeError(f"{self.prefix}: experts dropped rows their one call reads")
         for part in PARTS:
             for method in self.experts[part]:
                 method.kernel_rows = self.kernel_rows
@@ -215,15 +217,15 @@ class QuantizedMoEMethod:
 
     def _settle_rows(self, layer: nn.Module, part: str) -> None:
         """Make the stacked rows of `part` what the experts kept (alike, one scheme and
-        backend): none where they dropped their row copies (int4_w4a8 on its panels:
-        `{part}_weight` becomes [n, 0]); the experts' rows as one stack on huge pages
+        backend): none where they dropped their row copies (int4_w4a8, and int8_w8a8 on
+        VNNI panels: `{part}_weight` becomes [n, 0]); the experts' rows as one stack on huge pages
         where the stack came without them (mapped rowless from the weight cache by an
         engine that reads rows) or was built in plain memory (`_build_stacks`)."""
         methods, stacked = self.experts[part], self.stacked[part]
         plain = part in self._plain_rows
         self._plain_rows.discard(part)
         if not methods[0].quant_weights.has_rows:
-            rows = torch.empty(stacked.out_features, 0, dtype=torch.uint8)
+            rows = torch.empty(stacked.out_features, 0, dtype=stacked.weight.dtype)
         elif not stacked.has_rows or plain:
             rows = (
                 stacked.weight

@@ -54,7 +54,7 @@ def prepack(qw: QuantWeights, layout: str, mapped: Tensor | None = None) -> None
         qw.packed = mapped
     elif not qw.has_rows:
         raise ValueError(
-            f"an int4_w4a8 layer of [{qw.out_features}, {qw.in_features}] came without its "
+            f"an {qw.scheme} layer of [{qw.out_features}, {qw.in_features}] came without its "
             "rows and without panels of its shape; restart the weight cache daemon with "
             "this engine's settings"
         )
@@ -127,27 +127,42 @@ def rows_of_vnni_w4a8(packed: Tensor, qw: QuantWeights) -> Tensor:
 
 
 def drop_rows(qw: QuantWeights) -> QuantWeights:
-    """int4_w4a8 without its row copy of the nibbles (`weight` [N, 0]), where its panels
-    (`qw.packed`) serve every call: the rows would be a second int4-sized copy nothing
-    reads. Scales and zero points stay (1/16 of the nibbles at groups of 128)."""
-    if qw.scheme != "int4_w4a8" or qw.packed is None:
-        raise ValueError("only int4_w4a8 weights with their panels can drop their rows")
-    empty = torch.empty(qw.out_features, 0, dtype=torch.uint8, device=qw.weight.device)
+    """`qw` without its row copy of the weight (`weight` [N, 0]), where its prepacked copy
+    (`qw.packed`: int4_w4a8's panels, int8_w8a8's VNNI panels) serves every call: the rows
+    would be a second copy nothing reads. Scales, zero points and row sums stay."""
+    if qw.packed is None or not (
+        qw.scheme == "int4_w4a8" or (qw.scheme == "int8_w8a8" and qw.packed.dim() == 4)
+    ):
+        raise ValueError(
+            "only int4_w4a8 and int8_w8a8 weights with their VNNI panels can drop their rows"
+        )
+    empty = torch.empty(qw.out_features, 0, dtype=qw.weight.dtype, device=qw.weight.device)
     return dataclasses.replace(qw, weight=empty)
 
 
 def with_rows(qw: QuantWeights, panels: Tensor | None) -> QuantWeights:
-    """`qw` with its row copy of the nibbles, rebuilt from `panels` where it has none (an
-    engine that reads rows, such as one on the reference backend, mapping a rowless
-    layer from the weight cache)."""
+    """`qw` with its row copy of the weight, rebuilt from its VNNI `panels` where it has
+    none (an engine that reads rows, such as one on the reference backend, mapping a
+    rowless layer from the weight cache); exact."""
     if qw.has_rows:
         return qw
     if panels is None:
         raise ValueError(
-            "an int4_w4a8 layer came without its rows and without the panels that hold "
+            f"an {qw.scheme} layer came without its rows and without the panels that hold "
             "them; restart the weight cache daemon with this engine's settings"
         )
-    return dataclasses.replace(qw, weight=rows_of_vnni_w4a8(panels, qw), packed=None)
+    rows = (
+        rows_of_vnni_w4a8(panels, qw) if qw.scheme == "int4_w4a8" else rows_of_vnni_w8a8(panels, qw)
+    )
+    return dataclasses.replace(qw, weight=rows, packed=None)
+
+
+def rows_of_vnni_w8a8(packed: Tensor, qw: QuantWeights) -> Tensor:
+    """The int8 rows [N, K] that `pack_vnni_w8a8` made `packed` from: its inverse, exact."""
+    n, k = qw.out_features, qw.in_features
+    if tuple(packed.shape) != packed_shape(qw, "vnni") or packed.dtype != torch.int8:
+        raise ValueError(f"int8_w8a8 panels of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
+    return packed.permute(0, 2, 1, 3).reshape(-1, k)[:n].contiguous()
 
 
 def pack_amx_w8a8(q: Tensor) -> Tensor:

@@ -28,8 +28,9 @@ _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
 # experts as bf16 panels [E, panels, K, 16] in fp32 engines on the AVX2 kernels; "3":
 # int8_w8a8's and int4_w4a8's prepacked GEMM copies exported too (buffers `packed`,
 # `w13_packed`, `w2_packed`), which mapping engines take instead of packing their own;
-# "4": int4_w4a8 on its panels without its rows (`weight` [N, 0], packing.drop_rows).
-WEIGHT_LAYOUT = "4"
+# "4": int4_w4a8 on its panels without its rows (`weight` [N, 0], packing.drop_rows);
+# "5": int8_w8a8 on VNNI panels without its rows too.
+WEIGHT_LAYOUT = "5"
 
 
 @dataclass(frozen=True, slots=True)
