@@ -58,9 +58,9 @@ class QuantizedMoEMethod:
         # the whole layer in one call on the stacks: fp32 engines on the AVX2 family
         # (avx2_moe.cpp's moe_quantw), bf16 engines on the AVX512-BF16 one
         # (moe_quant.cpp's moe_quant_experts: int8_w8a8 at any step, with each expert's
-        # prepacked copy past `kernel_rows`; int4_w4a8 at any step on each expert's
-        # panels, a copy of its int4 weights beside the stack, as its dense layers hold
-        # one; the weight-only schemes at steps of up to
+        # prepacked copy past `kernel_rows` (every step on VNNI panels, which then replace
+        # the stacked rows); int4_w4a8 at any step on each expert's panels, which replace
+        # the rows, as its dense layers' do; the weight-only schemes at steps of up to
         # `kernel_rows` tokens, past which an expert runs `QuantizedLinearMethod.apply` in
         # the loop, as its dense layers would); None: the routing loop in Python, an op
         # per expert
