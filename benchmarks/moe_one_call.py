@@ -30,6 +30,7 @@ from tqdm import tqdm
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import get_avx2_kernels
 from minivllm.kernels.isa import cpu_model, isa_summary
+from minivllm.quantization import packing
 from minivllm.quantization.moe_method import PARTS, QuantizedMoEMethod
 
 
@@ -73,7 +74,13 @@ def main() -> None:
     prompt = [{"prompt_token_ids": list(range(100, 116))}]
     llm.generate(prompt, params, use_tqdm=False)  # warm-up
     names = ["loop", "one call"] + (["borrowed AVX2"] if args.borrowed_avx2 else [])
-    experts = [(e, e.op, e.fp32_op) for m in methods for p in PARTS for e in m.experts[p]]
+    experts = [
+        (e, e.op, e.fp32_op, e.quant_weights) for m in methods for p in PARTS for e in m.experts[p]
+    ]
+    # the AVX2 op reads rows, which experts on their VNNI panels no longer keep
+    with_rows = [
+        packing.with_rows(e[3], e[3].packed) if args.borrowed_avx2 else None for e in experts
+    ]
     avx2 = get_avx2_kernels() if args.borrowed_avx2 else None
     if args.borrowed_avx2 and (avx2 is None or attr != "bf16_moe_op"):
         raise SystemExit("--borrowed-avx2 needs a bf16 engine and the AVX2 family")
@@ -84,10 +91,11 @@ def main() -> None:
         for name in names:
             for method, op in zip(methods, ops):
                 setattr(method, attr, op if name == "one call" else None)
-            for expert, op, fp32_op in experts:  # the borrowed op, or each expert's own
-                borrowed = name == "borrowed AVX2"
+            for (expert, op, fp32_op, own), rows in zip(experts, with_rows):
+                borrowed = name == "borrowed AVX2"  # the borrowed op, or each expert's own
                 expert.op = None if borrowed else op
                 expert.fp32_op = avx2.linear_quantw if borrowed else fp32_op
+                expert.quant_weights = rows if borrowed else own
             start = time.perf_counter()
             out = llm.generate(prompt, params, use_tqdm=False)
             rates[name].append(args.tokens / (time.perf_counter() - start))

@@ -1,4 +1,4 @@
-"""Routed MoE experts stored quantized in checkpoints (quantization/moe_method.py's
+"""Routed MoE experts stored quantized in checkpoints (quantization/checkpoint_moe.py's
 CheckpointMoEMethod), and quantized experts served by the weight cache and split by
 tensor parallelism.
 

@@ -368,3 +368,30 @@ def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_on_panels(
 
 def method_kernels(llm: LLM):
     return llm.llm_engine.executor.runner.kernels
+
+
+@needs_kernels
+def test_rowless_int8_w8a8_takes_empty_batches_and_repacks_mapped_panels(
+    make_checkpoint, monkeypatch
+) -> None:
+    """int8_w8a8 on VNNI panels keeps no rows (CPUs without AMX): a step with no rows for
+    a layer (an LM head on a chunked-prefill step) still goes to the panels, and panels
+    mapped from a daemon that chose VNNI, in an engine that packs AMX blocks, give back
+    the rows (exactly) to pack from."""
+    from minivllm.quantization.config import SchemeSpec
+    from minivllm.quantization.method import QuantizedLinearMethod
+
+    llm = _engine(make_checkpoint("Qwen3ForCausalLM"), dtype="bfloat16", quantization="int8_w8a8")
+    method = _layers(llm)["model.layers.0.mlp.down_proj"]
+    qw = method.quant_weights
+    if formats.packed_layout(qw.packed) == "amx":
+        pytest.skip("with AMX the row kernel serves small batches: int8_w8a8 keeps its rows")
+    assert not qw.has_rows
+    empty = method.apply(None, torch.empty(0, qw.in_features, dtype=torch.bfloat16), None)
+    assert empty.shape == (0, qw.out_features)
+    engine = QuantizedLinearMethod(SchemeSpec("int8_w8a8"))
+    monkeypatch.setattr(QuantizedLinearMethod, "packed_layout", lambda *_: "amx")
+    engine.use(qw, method_kernels(llm), mapped_packed=qw.packed)
+    got = engine.quant_weights
+    assert got.has_rows and torch.equal(got.weight, packing.rows_of_vnni_w8a8(qw.packed, qw))
+    assert torch.equal(got.packed, packing.pack_amx_w8a8(got.weight))

@@ -11,8 +11,9 @@ attention backend) and says why not where one is not.
 
 A quantized linear qualifies when its method exposes `quant_weights`, a
 `quantization.formats.QuantWeights` the kernels support on this CPU and shape, and keeps
-`kernels_on` true (it runs `quant_linear` itself); the step then gets, per linear, its
-kind and [scale, zero, wsum, int8_w8a8's packed copy] (empty tensors for none).
+`kernels_on` true (it runs our bf16 kernels itself); the step then gets, per linear, its
+kind, its rows (empty where VNNI panels replaced them) and [scale, zero, wsum, packed
+copy: int8_w8a8's AMX or VNNI one, int4_w4a8's panels] (empty tensors for none).
 """
 
 from __future__ import annotations

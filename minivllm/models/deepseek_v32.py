@@ -304,7 +304,7 @@ class DeepseekV32ForCausalLM(nn.Module):
                 module = modules[owner]
                 if module.quant_method is not None and hasattr(
                     module.quant_method, "load_expert_tensor"
-                ):  # the checkpoint stores them quantized (quantization/moe_method.py)
+                ):  # the checkpoint stores them quantized (quantization/checkpoint_moe.py)
                     module.quant_method.load_expert_tensor(
                         module, name, expert, proj, suffix, tensor
                     )

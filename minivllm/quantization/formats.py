@@ -58,7 +58,8 @@ class QuantWeights:
     prepacked copy for our GEMMs: int8_w8a8's for large batches (`packing.prepack_w8a8`: the AMX
     or VNNI GEMM's layout), int4_w4a8's for every batch (`packing.prepack_w4a8`); it is derived,
     so `tensors()` leaves it out (the layer holds it as a buffer for the weight cache:
-    `QuantizedLinearMethod.hold_packed`) and a rebuilt QuantWeights prepacks anew.
+    `QuantizedLinearMethod.hold_packed`); a rebuilt QuantWeights prepacks anew from its
+    rows, or takes the mapped copy where the rows were dropped (`packing.drop_rows`).
     """
 
     scheme: str

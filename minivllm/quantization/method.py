@@ -153,6 +153,10 @@ class QuantizedLinearMethod(LinearMethodBase):
         if layout is None:
             qw = packing.with_rows(qw, mapped_packed)
         if layout is not None:
+            if not qw.has_rows and not packing.fits(mapped_packed, qw, layout):
+                # mapped panels of another layout (a daemon that chose VNNI where this
+                # engine gets AMX): rebuild the rows from them, then pack this layout
+                qw = packing.with_rows(qw, mapped_packed)
             packing.prepack(qw, layout, mapped_packed)
             if layout == "w4a8" and huge_pages_copy and qw.packed is not mapped_packed:
                 # its GEMM reads only the panels, streamed at every decode step: huge pages
@@ -263,7 +267,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             return formats.reference_linear(x, packing.with_rows(qw, qw.packed), bias)
         if qw.scheme == "int4_w4a8":  # every batch on the panels (int4_w4a8.cpp)
             out = self.packed_op(rows, qw.packed, qw.out_features, qw.group_size, bias)
-        elif rows.shape[0] <= self.kernel_rows:
+        elif rows.shape[0] <= self.kernel_rows and qw.has_rows:  # (rowless: even 0 rows)
             out = self.op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
         elif qw.scheme == "int8_w8a8":
             out = self.packed_op(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)

@@ -128,8 +128,9 @@ class QuantizedMoEMethod:
         device: torch.device,
         expert: Callable[[int], formats.QuantWeights],
     ) -> dict[str, torch.Tensor]:
-        """The processed tensors of `part`'s [n, k] stack (on huge pages on CPU), filled
-        one expert at a time from `expert(e)`, that expert's rows as the scheme's tensors."""
+        """The processed tensors of `part`'s [n, k] stack (on huge pages on CPU, but for
+        rows that VNNI panels may replace: `_settle_rows`), filled one expert at a time
+        from `expert(e)`, that expert's rows as the scheme's tensors."""
         arena = huge_pages.weights_arena()
         shapes = processed_shapes(self.spec, n, k, self.group)
         stacks = {
@@ -201,12 +202,14 @@ class QuantizedMoEMethod:
         bf16 = all(self.experts[part][0].op is not None for part in PARTS)
         self.bf16_moe_op = kernels.op("moe_quant_experts") if bf16 else None
         # the scheme's, the same for every expert; the loop's experts take it too, so that
-        # the loop computes what the one call does (int4: exact products up to 8 rows)
+        # the loop computes what the one call does (int4: exact products up to 8 rows);
+        # where there is no one call (a part without the bf16 kernel) each keeps its own
+        # (a rowless part's is 0: its panels take every batch)
         self.kernel_rows = formats.moe_one_call_rows(first.quant_weights)
-        if self.kernel_rows and not first.quant_weights.has_rows:  # rows run quant_linear
-            raise RuntimeError(f"{self.prefix}: experts dropped rows their one call reads")
-        for part in PARTS:
+        for part in PARTS if bf16 else ():
             for method in self.experts[part]:
+                if self.kernel_rows and not method.quant_weights.has_rows:
+                    raise RuntimeError(f"{self.prefix}: experts dropped rows their one call reads")
                 method.kernel_rows = self.kernel_rows
         # the prepacked copies, one per expert, for the one call: int8_w8a8's past
         # kernel_rows, int4_w4a8's panels at every step (int4_w4a8.cpp's GEMM); the

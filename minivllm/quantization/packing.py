@@ -44,16 +44,21 @@ def packed_shape(qw: QuantWeights, layout: str) -> tuple[int, ...]:
     raise ValueError(f"packed layout must be one of {PACKED_LAYOUTS + ('w4a8',)}, got {layout!r}")
 
 
+def fits(mapped: Tensor | None, qw: QuantWeights, layout: str) -> bool:
+    """Whether `mapped` is a copy of `qw` in `layout` by shape and dtype."""
+    dtype = torch.uint8 if layout == "w4a8" else torch.int8
+    return (
+        mapped is not None
+        and tuple(mapped.shape) == packed_shape(qw, layout)
+        and mapped.dtype == dtype
+    )
+
+
 def prepack(qw: QuantWeights, layout: str, mapped: Tensor | None = None) -> None:
     """Fill `qw.packed` in `layout` (`packed_shape`'s): with `mapped` where it is a copy of
     that shape and dtype (the weight cache's, packed by the daemon from the same weights:
     the cache key matched), else packed here."""
-    dtype = torch.uint8 if layout == "w4a8" else torch.int8
-    if (
-        mapped is not None
-        and tuple(mapped.shape) == packed_shape(qw, layout)
-        and mapped.dtype == dtype
-    ):
+    if fits(mapped, qw, layout):
         qw.packed = mapped
     elif not qw.has_rows:
         raise ValueError(
