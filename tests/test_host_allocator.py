@@ -57,9 +57,10 @@ def test_opt_out(monkeypatch) -> None:
 # resident memory (MiB) after freeing and after the release.
 RELEASE = """
 import torch
-from minivllm.utils.memory import (
-    anonymous_resident_bytes, keep_freed_host_memory, release_freed_host_memory,
-)
+from minivllm.utils.memory import keep_freed_host_memory, release_freed_host_memory
+def anonymous_resident_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
 applied = keep_freed_host_memory()
 xs = [torch.ones(2 << 20) for _ in range(40)]
 keep = torch.ones(16)  # allocated last: the freed ones are not at the heap's top only

@@ -182,7 +182,6 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
         for part, (n, k) in self.shapes(layer).items():
             stack = self._stacks.pop(part)
             stacks = self._build_stacks(
-                part,
                 layer.num_experts,
                 n,
                 k,
@@ -190,7 +189,7 @@ class CheckpointMoEMethod(QuantizedMoEMethod):
                 lambda e, s=stack, p=part: self._expert(s, e, p),
             )
             self._register(layer, part, stacks)
-        self._use(layer, kernels)
+        self._use(layer, kernels, built=True)
 
     def _expert(self, stack: dict[str, torch.Tensor], e: int, part: str) -> formats.QuantWeights:
         """Expert e's stacked checkpoint values as the scheme's tensors."""

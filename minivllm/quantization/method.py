@@ -144,19 +144,17 @@ class QuantizedLinearMethod(LinearMethodBase):
         prepacked copy for large batches (our AMX kernel's layout where the CPU has
         AMX-INT8, else our VNNI GEMM's) and int4_w4a8 its panels, which then serve every
         call: its row copy of the nibbles is dropped (`packing.drop_rows`), as int8_w8a8's
-        where its VNNI panels take every batch. `mapped_packed`:
-        that copy as the weight cache holds it, taken instead of packing where its shape is
-        right; an int4_w4a8 layer that reads rows (the reference backend, an embedding
-        table's lookups) and came without them has them rebuilt from it."""
+        where its VNNI panels take every batch. `mapped_packed`: that copy as the weight
+        cache holds it, taken instead of packing where its shape is right; a layer that
+        needs rows (the reference backend, an embedding table's lookups, another layout)
+        and came without them has them rebuilt from it."""
         self.choose_backend(qw, kernels)
         layout = None if self.lookup_table else self.packed_layout(qw, kernels)
-        if layout is None:
+        if layout is None or not packing.fits(mapped_packed, qw, layout):
+            # rows to run or pack from: rebuilt from mapped panels where none came (this
+            # engine reads rows, or gets AMX blocks where the daemon chose VNNI panels)
             qw = packing.with_rows(qw, mapped_packed)
         if layout is not None:
-            if not qw.has_rows and not packing.fits(mapped_packed, qw, layout):
-                # mapped panels of another layout (a daemon that chose VNNI where this
-                # engine gets AMX): rebuild the rows from them, then pack this layout
-                qw = packing.with_rows(qw, mapped_packed)
             packing.prepack(qw, layout, mapped_packed)
             if layout == "w4a8" and huge_pages_copy and qw.packed is not mapped_packed:
                 # its GEMM reads only the panels, streamed at every decode step: huge pages

@@ -41,6 +41,8 @@ from minivllm.utils import huge_pages
 logger = logging.getLogger("minivllm")
 
 PARTS = ("w13", "w2")
+# schemes whose VNNI panels may replace the stacked rows (`_build_stacks`, `_settle_rows`)
+PANEL_ROW_SCHEMES = ("int4_w4a8", "int8_w8a8")
 
 
 class QuantizedMoEMethod:
@@ -69,7 +71,6 @@ class QuantizedMoEMethod:
         self.kernel_rows = 0
         self.packed: dict[str, list[torch.Tensor]] = {p: [] for p in PARTS}
         self.stacked: dict[str, formats.QuantWeights] = {}
-        self._plain_rows: set[str] = set()  # parts whose rows `_build_stacks` kept off huge pages
 
     @property
     def group(self) -> int:
@@ -106,7 +107,6 @@ class QuantizedMoEMethod:
         for part, (n, k) in self.shapes(layer).items():
             full = getattr(layer, part).data
             stacks = self._build_stacks(
-                part,
                 layer.num_experts,
                 n,
                 k,
@@ -117,31 +117,29 @@ class QuantizedMoEMethod:
             )
             delattr(layer, part)
             self._register(layer, part, stacks)
-        self._use(layer, kernels)
+        self._use(layer, kernels, built=True)
 
     def _build_stacks(
         self,
-        part: str,
         num_experts: int,
         n: int,
         k: int,
         device: torch.device,
         expert: Callable[[int], formats.QuantWeights],
     ) -> dict[str, torch.Tensor]:
-        """The processed tensors of `part`'s [n, k] stack (on huge pages on CPU, but for
-        rows that VNNI panels may replace: `_settle_rows`), filled one expert at a time
-        from `expert(e)`, that expert's rows as the scheme's tensors."""
+        """The processed tensors of an [n, k] stack (on huge pages on CPU, but for rows
+        that VNNI panels may replace: `_settle_rows`), filled one expert at a time from
+        `expert(e)`, that expert's rows as the scheme's tensors."""
         arena = huge_pages.weights_arena()
-        shapes = processed_shapes(self.spec, n, k, self.group)
+        # rows the panels may replace stay in plain memory (`_settle_rows` moves them once
+        # they stay): dropped from the arena, they would pin its chunks
+        plain = {"weight"} if self.spec.scheme in PANEL_ROW_SCHEMES else set()
         stacks = {
-            name: arena.empty(shape, dtype, device) for name, (shape, dtype) in shapes.items()
+            name: torch.empty(shape, dtype=dtype, device=device)
+            if name in plain
+            else arena.empty(shape, dtype, device)
+            for name, (shape, dtype) in processed_shapes(self.spec, n, k, self.group).items()
         }
-        if self.spec.scheme in ("int4_w4a8", "int8_w8a8"):
-            # rows its panels may replace (`_settle_rows` moves them once they stay): in
-            # the arena they would pin its chunks after being dropped
-            shape, dtype = shapes["weight"]
-            stacks["weight"] = torch.empty(shape, dtype=dtype, device=device)
-            self._plain_rows.add(part)
         rows = n // num_experts
         for e in range(num_experts):
             for name, tensor in expert(e).tensors().items():
@@ -163,9 +161,9 @@ class QuantizedMoEMethod:
                 layer.register_parameter(f"{part}_{name}", param)
 
     def process_weights_after_mapping(self, layer: nn.Module, kernels: Kernels) -> None:
-        self._use(layer, kernels)
+        self._use(layer, kernels, built=False)
 
-    def _use(self, layer: nn.Module, kernels: Kernels) -> None:
+    def _use(self, layer: nn.Module, kernels: Kernels, built: bool) -> None:
         """One QuantizedLinearMethod per expert and part, on views of the stacked rows."""
         group = self.group
         for part, (n, k) in self.shapes(layer).items():
@@ -194,7 +192,9 @@ class QuantizedMoEMethod:
                 self.experts[part].append(method)
             self.stacked[part] = stacked
             self._stack_packed(layer, part, mapped)
-            self._settle_rows(layer, part)
+            # rows `_build_stacks` left in plain memory (mapped ones stay where they are)
+            plain = built and self.spec.scheme in PANEL_ROW_SCHEMES
+            self._settle_rows(layer, part, plain)
         first = self.experts["w13"][0]
         self.moe_op = kernels.op("moe_quantw") if first.fp32_op is not None else None
         # every product on the bf16 quant_linear (a down projection whose K, the rank's
@@ -218,15 +218,13 @@ class QuantizedMoEMethod:
             copies = [m.quant_weights.packed for m in self.experts[part]]
             self.packed[part] = copies if bf16 and None not in copies else []
 
-    def _settle_rows(self, layer: nn.Module, part: str) -> None:
+    def _settle_rows(self, layer: nn.Module, part: str, plain: bool) -> None:
         """Make the stacked rows of `part` what the experts kept (alike, one scheme and
         backend): none where they dropped their row copies (int4_w4a8, and int8_w8a8 on
         VNNI panels: `{part}_weight` becomes [n, 0]); the experts' rows as one stack on huge pages
         where the stack came without them (mapped rowless from the weight cache by an
         engine that reads rows) or was built in plain memory (`_build_stacks`)."""
         methods, stacked = self.experts[part], self.stacked[part]
-        plain = part in self._plain_rows
-        self._plain_rows.discard(part)
         if not methods[0].quant_weights.has_rows:
             rows = torch.empty(stacked.out_features, 0, dtype=stacked.weight.dtype)
         elif not stacked.has_rows or plain:

@@ -125,7 +125,7 @@ def rows_of_vnni_w4a8(packed: Tensor, qw: QuantWeights) -> Tensor:
     """The int4 rows (formats' packing, uint8 [N, K/2]) that `pack_vnni_w4a8` made `packed`
     from, for `qw`'s shape: its inverse on the nibbles, exact."""
     n, k = qw.out_features, qw.in_features
-    if tuple(packed.shape) != packed_shape(qw, "w4a8") or packed.dtype != torch.uint8:
+    if not fits(packed, qw, "w4a8"):
         raise ValueError(f"int4_w4a8 panels of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
     panels = packed.shape[0]
     nibbles = packed[:, : k // 8 * 64].reshape(panels, k // 8, W4A8_PANEL, 4)  # p s i j
@@ -168,7 +168,7 @@ def with_rows(qw: QuantWeights, panels: Tensor | None) -> QuantWeights:
 def rows_of_vnni_w8a8(packed: Tensor, qw: QuantWeights) -> Tensor:
     """The int8 rows [N, K] that `pack_vnni_w8a8` made `packed` from: its inverse, exact."""
     n, k = qw.out_features, qw.in_features
-    if tuple(packed.shape) != packed_shape(qw, "vnni") or packed.dtype != torch.int8:
+    if not fits(packed, qw, "vnni"):
         raise ValueError(f"int8_w8a8 panels of shape {tuple(packed.shape)} do not fit [{n}, {k}]")
     return packed.permute(0, 2, 1, 3).reshape(-1, k)[:n].contiguous()
 

@@ -19,22 +19,14 @@ def default_kv_cache_bytes(device: str, model_bytes: int) -> int:
 
 def available_host_bytes() -> int:
     """MemAvailable from /proc/meminfo, else the free pages sysconf reports."""
-    available = _proc_field("/proc/meminfo", "MemAvailable")
-    if available is not None:
-        return available
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _proc_field(path: str, field: str) -> int | None:
-    """A `field: N kB` line of a /proc file, in bytes; None where it is missing."""
     try:
-        with open(path) as f:
+        with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith(field + ":"):
+                if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return None
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 # glibc's mallopt parameters
@@ -83,8 +75,3 @@ def release_freed_host_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(trim(0))
-
-
-def anonymous_resident_bytes() -> int:
-    """This process's RssAnon (0 where /proc is missing)."""
-    return _proc_field("/proc/self/status", "RssAnon") or 0
