@@ -11,7 +11,7 @@ the process's VmRSS after `LLM(...)` returns and one token is generated, VmHWM i
 (both count the checkpoint's file pages the load mapped, which the kernel can reclaim),
 anon and peak anon the anonymous part alone (the peak sampled every 5 ms); all include
 the interpreter, torch and the tokenizer (the `bf16` row shows that floor plus bf16
-weights).
+weights). load is the model's load and processing in seconds (`ModelRunner.load_seconds`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def child(model: str, variant: str) -> None:
     llm = LLM(
         model,
         dtype="bfloat16",
-        max_model_len=1024,
+        max_model_len=512,
         kv_cache_memory_bytes=128 << 20,
         enable_prefix_caching=False,
         **kwargs,
@@ -71,7 +71,8 @@ def child(model: str, variant: str) -> None:
     watcher.join()
     status = _status()
     got = {"rss": status["VmRSS"], "anon": status["RssAnon"], "peak_anon": peak_anon[0]}
-    print(json.dumps({**got, "peak": status["VmHWM"], "weights": weight_bytes}))
+    load = llm.llm_engine.executor.runner.load_seconds
+    print(json.dumps({**got, "peak": status["VmHWM"], "weights": weight_bytes, "load": load}))
 
 
 def main() -> None:
@@ -95,9 +96,10 @@ def main() -> None:
         rows.append((variant, json.loads(out.stdout.strip().splitlines()[-1])))
     keys = ("rss", "peak", "anon", "peak_anon", "weights")
     heads = ("RSS", "VmHWM", "anon", "peak anon", "weights")
-    print(f"{'MiB':<10}" + "".join(f"{h:>11}" for h in heads))
+    print(f"{'MiB':<10}" + "".join(f"{h:>11}" for h in heads) + f"{'load (s)':>11}")
     for variant, got in rows:
-        print(f"{variant:<10}" + "".join(f"{got[k] / 2**20:>11.0f}" for k in keys))
+        mib = "".join(f"{got[k] / 2**20:>11.0f}" for k in keys)
+        print(f"{variant:<10}{mib}{got['load']:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from torch import nn
 from minivllm.kernels.registry import Kernels
 from minivllm.layers.cpu_linear import CpuLinearKernel
 from minivllm.layers.panel_linear import PanelLinear, exactly_bf16, pack_panels
+from minivllm.utils.memory import own_mapping_empty
 
 WeightLoader = Callable[..., None]
 
@@ -73,8 +74,16 @@ def create_full_precision_weight(
     layer: nn.Module, input_size: int, output_size: int, weight_loader: WeightLoader
 ) -> None:
     """The checkpoint's weight in the model dtype, as the unquantized method and online
-    quantization (before it quantizes) both hold it."""
-    weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+    quantization (before it quantizes) both hold it. On the CPU it sits on a mapping of
+    its own, as glibc places any allocation over 32 MiB: whatever replaces it later (online
+    quantization, layer by layer: loader/streamed_quantization.py; panels; a mapped
+    copy) hands its pages straight back to the kernel instead of leaving a hole in the
+    heap that later allocations would fault in page by page."""
+    if torch.get_default_device().type == "cpu":
+        data = own_mapping_empty((output_size, input_size), torch.get_default_dtype())
+    else:
+        data = torch.empty(output_size, input_size)
+    weight = nn.Parameter(data, requires_grad=False)
     weight.weight_loader = weight_loader
     layer.register_parameter("weight", weight)
 

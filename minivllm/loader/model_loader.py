@@ -19,6 +19,7 @@ from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.layers.moe import FusedMoE
 from minivllm.loader.safetensors_loader import iterate_weights
+from minivllm.loader.streamed_quantization import StreamedQuantization
 from minivllm.models.registry import resolve_model_class
 from minivllm.quantization.method import log_backends
 from minivllm.utils import huge_pages
@@ -57,8 +58,9 @@ def load_model(
     with torch.device(device), default_dtype(config.dtype):
         model = model_cls(config.hf_config, config.max_model_len)
         quantize_layers(model, config)
+    streamed = StreamedQuantization(model, kernels)
     model.load_weights(iterate_weights(config.model))
-    process_weights_after_loading(model, kernels, available_bytes)
+    process_weights_after_loading(model, kernels, available_bytes, done=streamed.done)
     return model.eval()
 
 
@@ -89,13 +91,18 @@ def get_model(config: EngineConfig, kernels: Kernels, available_bytes: int | Non
 
 
 def process_weights_after_loading(
-    model: nn.Module, kernels: Kernels, available_bytes: int | None = None, mapped: bool = False
+    model: nn.Module,
+    kernels: Kernels,
+    available_bytes: int | None = None,
+    mapped: bool = False,
+    done: set[int] = frozenset(),
 ) -> None:
     """Once the checkpoint is in: each linear method processes its weights (repacking,
     quantizing) for the engine's kernels, and each custom op picks its compiled ops.
 
     `mapped`: the weights came already processed and read-only from the weight cache;
-    linear methods rebuild only their kernel objects (`process_weights_after_mapping`)."""
+    linear methods rebuild only their kernel objects (`process_weights_after_mapping`).
+    `done`: ids of the layers `StreamedQuantization` processed while the checkpoint loaded."""
     linears = [
         m
         for m in model.modules()
@@ -122,7 +129,9 @@ def process_weights_after_loading(
     arena = huge_pages.weights_arena()
     placed, seconds = arena.bytes_placed, arena.seconds
     for module in linears:
-        if mapped:
+        if id(module) in done:
+            pass
+        elif mapped:
             module.quant_method.process_weights_after_mapping(module, kernels)
         else:
             module.quant_method.process_weights_after_loading(module, kernels)

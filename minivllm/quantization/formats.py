@@ -21,6 +21,7 @@ The int4 nibbles are packed so that one 16-byte load, widened to 16-bit lanes, g
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -234,7 +235,33 @@ def quantize(
                   z in range), scale = (hi - lo) / 15, z = clamp(round(-lo/scale), 0, 15),
                   q = clamp(round(w/scale) + z, 0, 15).
     Dequantization is w = q * scale, or (q - z) * scale for int4.
+
+    Every scheme's numbers are per row, so a large weight is quantized `QUANTIZE_CHUNK`
+    elements of rows at a time: the float32 temporaries stay a few MiB whatever the layer
+    (a load that quantizes layer by layer, loader/streamed_quantization.py, would otherwise
+    leave them in the heap as it grew), and the result is the same.
     """
+    n, k = weight.shape
+    rows = max(1, QUANTIZE_CHUNK // max(k, 1))
+    if n <= rows:
+        return _quantize_rows(weight, scheme, group_size, symmetric)
+    first = _quantize_rows(weight[:rows], scheme, group_size, symmetric)
+    out = {name: t.new_empty((n, *t.shape[1:])) for name, t in first.tensors().items()}
+    for start in range(0, n, rows):
+        part = (
+            first
+            if start == 0
+            else _quantize_rows(weight[start : start + rows], scheme, group_size, symmetric)
+        )
+        for name, t in part.tensors().items():
+            out[name][start : start + len(t)].copy_(t)
+    return dataclasses.replace(first, **out, out_features=n)
+
+
+QUANTIZE_CHUNK = 1 << 18  # elements of the weight quantized at a time (1 MiB as float32)
+
+
+def _quantize_rows(weight: Tensor, scheme: str, group_size: int, symmetric: bool) -> QuantWeights:
     w = weight.detach().to(torch.float32)
     if scheme in ("int8_w8a16", "int8_w8a8"):
         scale = _amax_scale(w.abs().amax(dim=1), INT8_MAX)

@@ -155,12 +155,18 @@ class QuantizedLinearMethod(LinearMethodBase):
             # engine reads rows, or gets AMX blocks where the daemon chose VNNI panels)
             qw = packing.with_rows(qw, mapped_packed)
         if layout is not None:
-            packing.prepack(qw, layout, mapped_packed)
-            if layout == "w4a8" and huge_pages_copy and qw.packed is not mapped_packed:
-                # its GEMM reads only the panels, streamed at every decode step: huge pages
-                qw.packed = huge_pages.weights_arena().copy(qw.packed)
-            if layout == "w4a8" or formats.max_kernel_rows(qw) == 0:
-                # the panels serve every call (int8_w8a8's too on VNNI without AMX)
+            # the panels serve every call (int8_w8a8's too on VNNI without AMX): no row
+            # copy beside them
+            every_call = layout == "w4a8" or (
+                layout == "vnni" and formats.W8A8_VNNI_MAX_KERNEL_ROWS == 0
+            )
+            # int4_w4a8's panels, streamed at every decode step, are packed on huge pages
+            # (~1.08x, docs/performance.md item 21). int8_w8a8's stay on small pages: on
+            # a 2-vCPU Zen 4 (2026-12-05) huge pages took its 0.6B-shape load from ~1.6 to
+            # ~2.4 s (faulting 420 MB of huge pages in) for batch-1 decode within noise
+            arena = huge_pages.weights_arena() if layout == "w4a8" and huge_pages_copy else None
+            packing.prepack(qw, layout, mapped_packed, arena and arena.empty)
+            if every_call:
                 qw = packing.drop_rows(qw)
             self.packed_op = kernels.op(
                 "int4_w4a8_packed_linear" if layout == "w4a8" else "w8a8_packed_linear"

@@ -13,6 +13,7 @@ as buffers, so the weight cache serves them as they are (`prepack`'s `mapped`).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -54,42 +55,88 @@ def fits(mapped: Tensor | None, qw: QuantWeights, layout: str) -> bool:
     )
 
 
-def prepack(qw: QuantWeights, layout: str, mapped: Tensor | None = None) -> None:
+def prepack(
+    qw: QuantWeights,
+    layout: str,
+    mapped: Tensor | None = None,
+    empty: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
+) -> None:
     """Fill `qw.packed` in `layout` (`packed_shape`'s): with `mapped` where it is a copy of
     that shape and dtype (the weight cache's, packed by the daemon from the same weights:
-    the cache key matched), else packed here."""
+    the cache key matched), else packed here into `empty(shape, dtype)` (default
+    `torch.empty`; the huge-page arena's where the copy lives there), `PACK_CHUNK` bytes of
+    rows at a time so that the packing's temporaries stay small whatever the layer (an LM
+    head's are hundreds of MB)."""
     if fits(mapped, qw, layout):
         qw.packed = mapped
-    elif not qw.has_rows:
+        return
+    if not qw.has_rows:
         raise ValueError(
             f"an {qw.scheme} layer of [{qw.out_features}, {qw.in_features}] came without its "
             "rows and without panels of its shape; restart the weight cache daemon with "
             "this engine's settings"
         )
-    elif layout == "w4a8":
-        prepack_w4a8(qw)
+    if layout == "w4a8":
+        if qw.scheme != "int4_w4a8":
+            raise ValueError(f"prepack_w4a8 packs int4_w4a8 weights, not {qw.scheme}")
+        pack, panel = pack_vnni_w4a8, W4A8_PANEL
+    elif qw.scheme != "int8_w8a8":
+        raise ValueError(f"only int8_w8a8 weights are prepacked, not {qw.scheme}")
+    elif layout in PACKED_LAYOUTS:
+        pack = (
+            (lambda part: pack_amx_w8a8(part.weight))
+            if layout == "amx"
+            else (lambda part: pack_vnni_w8a8(part.weight))
+        )
+        panel = AMX_BLOCK_N if layout == "amx" else VNNI_PANEL
     else:
-        prepack_w8a8(qw, layout)
+        raise ValueError(f"packed layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
+    shape = packed_shape(qw, layout)
+    dtype = torch.uint8 if layout == "w4a8" else torch.int8
+    out = (
+        empty(shape, dtype)
+        if empty is not None
+        else torch.empty(shape, dtype=dtype, device=qw.weight.device)
+    )
+    n = qw.out_features
+    rows = max(1, PACK_CHUNK // max(qw.weight.nbytes // max(n, 1), 1) // panel) * panel
+    for start in range(0, n, rows):
+        part = pack(_row_slice(qw, start, min(start + rows, n)))
+        out[start // panel : start // panel + len(part)].copy_(part)
+    qw.packed = out
+
+
+PACK_CHUNK = 4 << 20  # bytes of rows packed at a time
 
 
 def prepack_w4a8(qw: QuantWeights) -> None:
     """Fill `qw.packed` with int4_w4a8's panels (`pack_vnni_w4a8`) for its VNNI GEMM."""
-    if qw.scheme != "int4_w4a8":
-        raise ValueError(f"prepack_w4a8 packs int4_w4a8 weights, not {qw.scheme}")
-    qw.packed = pack_vnni_w4a8(qw)
+    prepack(qw, "w4a8")
 
 
 def prepack_w8a8(qw: QuantWeights, layout: str) -> None:
     """Fill `qw.packed` with a copy of the int8 weight for large batches in `layout`: our
     AMX kernel's (`pack_amx_w8a8`) or our VNNI GEMM's (`pack_vnni_w8a8`)."""
-    if qw.scheme != "int8_w8a8":
-        raise ValueError(f"only int8_w8a8 weights are prepacked, not {qw.scheme}")
-    if layout == "amx":
-        qw.packed = pack_amx_w8a8(qw.weight)
-    elif layout == "vnni":
-        qw.packed = pack_vnni_w8a8(qw.weight)
-    else:
+    if layout not in PACKED_LAYOUTS:
         raise ValueError(f"packed layout must be one of {PACKED_LAYOUTS}, got {layout!r}")
+    prepack(qw, layout)
+
+
+def _row_slice(qw: QuantWeights, start: int, stop: int) -> QuantWeights:
+    """Rows [start, stop) of `qw` (the packings are per row; each panel's rows pack alone)."""
+
+    def rows(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[start:stop]
+
+    return dataclasses.replace(
+        qw,
+        weight=qw.weight[start:stop],
+        scale=rows(qw.scale),
+        zero=rows(qw.zero),
+        wsum=rows(qw.wsum),
+        out_features=stop - start,
+        packed=None,
+    )
 
 
 W4A8_PANEL = 16  # weight rows per panel of pack_vnni_w4a8

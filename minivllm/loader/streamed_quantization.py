@@ -1,0 +1,89 @@
+"""Online quantization layer by layer, while the checkpoint streams in.
+
+Quantizing only after the whole checkpoint is in holds every full-precision weight and the
+quantized copies at once: the load's peak is the checkpoint plus its quantized form (an 8B
+model in bf16, 16 GB, quantized to int8 peaks near 24 GB). Instead, each online-quantized
+linear's full-precision weight sits on an anonymous mapping of its own, and the moment the
+checkpoint has filled it (every shard of a fused qkv or gate_up) the layer is quantized and
+processed for the engine's kernels, and the mapping is unmapped: the peak becomes the
+quantized model plus about one layer's full-precision weight and the quantizer's bounded
+temporaries (`formats.quantize` works in row chunks). vLLM does the same for its online
+quantization (processing each layer once loaded, to cut the load's peak memory); the
+processed layers are the ones `process_weights_after_loading` would have made.
+
+Layers streamed: linears (the LM head too, where it is not tied to the embedding table)
+whose method quantizes online. The rest (checkpoint-quantized layers, unquantized ones,
+a tied head, routed experts) are processed at the end as before.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from minivllm.kernels.registry import Kernels
+from minivllm.layers.embedding import ParallelLMHead
+from minivllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from minivllm.quantization.method import QuantizedLinearMethod
+
+
+def streamable(module: nn.Module, shared: set[int]) -> bool:
+    """A linear whose weight online quantization replaces, held by no other module."""
+    method = getattr(module, "quant_method", None)
+    return (
+        isinstance(module, (LinearBase, ParallelLMHead))
+        and type(method) is QuantizedLinearMethod
+        and method.source == "online"
+        and id(module.weight) not in shared
+        and module.weight.device.type == "cpu"
+    )
+
+
+def _shards(module: nn.Module) -> set[object]:
+    """The shard ids the checkpoint fills the weight by (a fused layer's parts)."""
+    if isinstance(module, QKVParallelLinear):
+        return {"q", "k", "v"}
+    if isinstance(module, MergedColumnParallelLinear):
+        return set(range(len(module.output_sizes)))
+    return {None}
+
+
+class _StreamedLoader:
+    """Stands in for a streamed weight's `weight_loader`: loads, and processes the layer
+    once every shard is in."""
+
+    def __init__(self, module: nn.Module, streaming: StreamedQuantization) -> None:
+        self.module = module
+        self.loader = module.weight.weight_loader
+        self.pending = _shards(module)
+        self.streaming = streaming
+
+    def __call__(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
+        if not self.pending:  # a repeated tensor: the layer is already quantized
+            raise ValueError("the checkpoint fills this weight twice")
+        self.loader(param, loaded, shard_id)
+        self.pending.discard(shard_id)
+        if shard_id is None:  # the whole fused weight in one tensor
+            self.pending.clear()
+        if not self.pending:
+            self.streaming.process(self.module, param)
+
+
+class StreamedQuantization:
+    """Installed on a built model before `load_weights`; `done` names the layers it
+    processed, which `process_weights_after_loading` then leaves alone."""
+
+    def __init__(self, model: nn.Module, kernels: Kernels) -> None:
+        self.kernels = kernels
+        self.done: set[int] = set()
+        counts: dict[int, int] = {}
+        for _, p in model.named_parameters(remove_duplicate=False):
+            counts[id(p)] = counts.get(id(p), 0) + 1
+        shared = {i for i, n in counts.items() if n > 1}
+        self.modules = [m for m in model.modules() if streamable(m, shared)]
+        for module in self.modules:
+            module.weight.weight_loader = _StreamedLoader(module, self)
+
+    def process(self, module: nn.Module, param: nn.Parameter) -> None:
+        module.quant_method.process_weights_after_loading(module, self.kernels)
+        param.data = param.data.new_empty(0)  # unmaps the full-precision copy now
+        self.done.add(id(module))
