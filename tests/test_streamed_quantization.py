@@ -58,12 +58,9 @@ def _tensors(llm: LLM) -> dict[str, torch.Tensor]:
     return named
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_streamed_layers_match_the_load_then_quantize_path(
-    make_checkpoint, monkeypatch, dtype
-) -> None:
-    model_dir = make_checkpoint("LlamaForCausalLM", dtype=torch.bfloat16)  # untied head
-    yielded, at_process = [0], []
+def _count_tensors_read(monkeypatch) -> list[int]:
+    """[tensors the checkpoint reader has yielded so far], kept current during the load."""
+    yielded = [0]
     iterate = model_loader.iterate_weights
 
     def counting(path):
@@ -71,6 +68,29 @@ def test_streamed_layers_match_the_load_then_quantize_path(
             yielded[0] += 1
             yield item
 
+    monkeypatch.setattr(model_loader, "iterate_weights", counting)
+    return yielded
+
+
+def _assert_same_engines(streamed: LLM, at_the_end: LLM, params: SamplingParams) -> None:
+    got, want = _tensors(streamed), _tensors(at_the_end)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    a = streamed.generate(prompts, params, use_tqdm=False)
+    b = at_the_end.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b, strict=True):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.outputs[0].logprobs == y.outputs[0].logprobs
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_streamed_layers_match_the_load_then_quantize_path(
+    make_checkpoint, monkeypatch, dtype
+) -> None:
+    model_dir = make_checkpoint("LlamaForCausalLM", dtype=torch.bfloat16)  # untied head
+    yielded, at_process = _count_tensors_read(monkeypatch), []
     process = streamed_quantization.StreamedQuantization.process
 
     def recording(self, module, param):
@@ -78,7 +98,6 @@ def test_streamed_layers_match_the_load_then_quantize_path(
         assert param.numel() == 0  # the full-precision copy is gone at once
         at_process.append(yielded[0])
 
-    monkeypatch.setattr(model_loader, "iterate_weights", counting)
     monkeypatch.setattr(streamed_quantization.StreamedQuantization, "process", recording)
     streamed = _engine(model_dir, dtype)
     # 2 layers x (qkv, o, gate_up, down) and the head, each as soon as its last shard came
@@ -87,17 +106,8 @@ def test_streamed_layers_match_the_load_then_quantize_path(
     monkeypatch.setattr(model_loader, "StreamedQuantization", _AtTheEnd)
     at_the_end = _engine(model_dir, dtype)
 
-    got, want = _tensors(streamed), _tensors(at_the_end)
-    assert got.keys() == want.keys()
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), name
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    a = streamed.generate(prompts, params, use_tqdm=False)
-    b = at_the_end.generate(prompts, params, use_tqdm=False)
-    for x, y in zip(a, b, strict=True):
-        assert x.outputs[0].token_ids == y.outputs[0].token_ids
-        assert x.outputs[0].logprobs == y.outputs[0].logprobs
+    _assert_same_engines(streamed, at_the_end, params)
 
 
 # Loads `model` with int4 everywhere but the head, and prints the anonymous memory (bytes)
@@ -212,3 +222,50 @@ def test_packing_in_row_chunks_is_packing_whole(monkeypatch, scheme, layout) -> 
     packing.prepack(qw, layout)
     assert qw.packed.shape == packing.packed_shape(qw, layout)
     assert torch.equal(qw.packed, whole)
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    from tests.test_deepseek_v32 import build_dsa_checkpoint
+
+    return build_dsa_checkpoint(tmp_path_factory.mktemp("moe-streamed"), tokenizer_dir)
+
+
+@pytest.mark.parametrize(
+    ("quantization", "options"),
+    [
+        ("int8", None),
+        ("online", {"targets": {"re:.*mlp\\.experts$": {"scheme": "int4_w4a8", "group_size": 32}}}),
+    ],
+)
+def test_streamed_experts_match_the_load_then_quantize_path(
+    moe_dir, monkeypatch, quantization, options
+) -> None:
+    yielded, at_process = _count_tensors_read(monkeypatch), []
+    process = streamed_quantization.StreamedQuantization.process_experts
+
+    def recording(self, module):
+        process(self, module)
+        assert module.quant_method.stacked and "w13" not in dict(module.named_parameters())
+        at_process.append(yielded[0])
+
+    def engine() -> LLM:
+        return LLM(
+            str(moe_dir),
+            dtype="bfloat16",
+            max_model_len=128,
+            kv_cache_memory_bytes=4 << 20,
+            quantization=quantization,
+            quantization_config=options,
+        )
+
+    monkeypatch.setattr(streamed_quantization.StreamedQuantization, "process_experts", recording)
+    streamed = engine()
+    assert len(at_process) == 2  # both MoE layers, each once its experts were in
+    assert at_process[0] < yielded[0]
+    monkeypatch.setattr(model_loader, "StreamedQuantization", _AtTheEnd)
+    at_the_end = engine()
+
+    _assert_same_engines(
+        streamed, at_the_end, SamplingParams(temperature=0, max_tokens=4, logprobs=2)
+    )

@@ -27,6 +27,7 @@ from minivllm.kernels.registry import Kernels
 from minivllm.layers.custom_op import CustomOp
 from minivllm.layers.linear import divide
 from minivllm.layers.panel_linear import PANEL, exactly_bf16, pack_panels
+from minivllm.utils.memory import own_mapping_empty
 
 
 def grouped_topk(
@@ -171,11 +172,18 @@ class FusedMoE(CustomOp):
         self.hidden_size = hidden_size
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.intermediate = divide(intermediate_size, self.tp_size)
+        # on the CPU each stack on a mapping of its own: quantizing the experts (as soon as
+        # the checkpoint filled them, loader/streamed_quantization.py) or repacking them
+        # hands the pages straight back (utils/memory.own_mapping_empty)
+        empty = torch.empty if torch.get_default_device().type != "cpu" else own_mapping_empty
+        dtype = torch.get_default_dtype()
         self.w13 = nn.Parameter(
-            torch.empty(num_experts, 2 * self.intermediate, hidden_size), requires_grad=False
+            empty((num_experts, 2 * self.intermediate, hidden_size), dtype=dtype),
+            requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.intermediate), requires_grad=False
+            empty((num_experts, hidden_size, self.intermediate), dtype=dtype),
+            requires_grad=False,
         )
 
     def load_expert_weight(self, expert: int, proj: str, loaded: torch.Tensor) -> None:

@@ -155,7 +155,9 @@ def process_weights_after_loading(
         )
     experts = [m for m in moe_layers if m.quant_method is not None]
     for module in experts:
-        if mapped:
+        if id(module) in done:
+            pass
+        elif mapped:
             module.quant_method.process_weights_after_mapping(module, kernels)
         else:
             module.quant_method.process_weights_after_loading(module, kernels)

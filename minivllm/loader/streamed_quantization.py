@@ -12,8 +12,9 @@ quantization (processing each layer once loaded, to cut the load's peak memory);
 processed layers are the ones `process_weights_after_loading` would have made.
 
 Layers streamed: linears (the LM head too, where it is not tied to the embedding table)
-whose method quantizes online. The rest (checkpoint-quantized layers, unquantized ones,
-a tied head, routed experts) are processed at the end as before.
+whose method quantizes online, and MoE layers whose routed experts it quantizes (once
+every expert's gate, up and down projections are in). The rest (checkpoint-quantized
+layers, unquantized ones, a tied head) are processed at the end as before.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from torch import nn
 from minivllm.kernels.registry import Kernels
 from minivllm.layers.embedding import ParallelLMHead
 from minivllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from minivllm.layers.moe import FusedMoE
 from minivllm.quantization.method import QuantizedLinearMethod
+from minivllm.quantization.moe_method import QuantizedMoEMethod
 
 
 def streamable(module: nn.Module, shared: set[int]) -> bool:
@@ -35,6 +38,17 @@ def streamable(module: nn.Module, shared: set[int]) -> bool:
         and method.source == "online"
         and id(module.weight) not in shared
         and module.weight.device.type == "cpu"
+    )
+
+
+def streamable_experts(module: nn.Module) -> bool:
+    """A MoE layer whose routed experts online quantization replaces."""
+    method = getattr(module, "quant_method", None)
+    return (
+        isinstance(module, FusedMoE)
+        and type(method) is QuantizedMoEMethod
+        and method.source == "online"
+        and module.w13.device.type == "cpu"
     )
 
 
@@ -68,6 +82,29 @@ class _StreamedLoader:
             self.streaming.process(self.module, param)
 
 
+class _StreamedExperts:
+    """Stands in for a MoE layer's `load_expert_weight`: loads, and quantizes the layer's
+    experts once every expert's three projections are in."""
+
+    def __init__(self, module: nn.Module, streaming: StreamedQuantization) -> None:
+        self.module = module
+        self.loader = module.load_expert_weight
+        self.pending = {
+            (e, p) for e in range(module.num_experts) for p in ("gate_proj", "up_proj", "down_proj")
+        }
+        self.streaming = streaming
+
+    def __call__(self, expert: int, proj: str, loaded) -> None:
+        if not self.pending:
+            raise ValueError("the checkpoint fills these experts twice")
+        self.loader(expert, proj, loaded)
+        self.pending.discard((expert, proj))
+        if not self.pending:
+            module = self.module
+            del module.load_expert_weight  # the class's loader again
+            self.streaming.process_experts(module)
+
+
 class StreamedQuantization:
     """Installed on a built model before `load_weights`; `done` names the layers it
     processed, which `process_weights_after_loading` then leaves alone."""
@@ -82,8 +119,18 @@ class StreamedQuantization:
         self.modules = [m for m in model.modules() if streamable(m, shared)]
         for module in self.modules:
             module.weight.weight_loader = _StreamedLoader(module, self)
+        self.moe_layers = [m for m in model.modules() if streamable_experts(m)]
+        for module in self.moe_layers:
+            module.load_expert_weight = _StreamedExperts(module, self)
 
     def process(self, module: nn.Module, param: nn.Parameter) -> None:
         module.quant_method.process_weights_after_loading(module, self.kernels)
         param.data = param.data.new_empty(0)  # unmaps the full-precision copy now
+        self.done.add(id(module))
+
+    def process_experts(self, module: nn.Module) -> None:
+        full = [module.w13, module.w2]
+        module.quant_method.process_weights_after_loading(module, self.kernels)
+        for param in full:  # whoever else holds them, the stacks go now
+            param.data = param.data.new_empty(0)
         self.done.add(id(module))
