@@ -39,6 +39,9 @@ class _AtTheEnd:
     def __init__(self, model, kernels) -> None:
         self.done: set[int] = set()
 
+    def finish(self) -> None:
+        pass
+
 
 def _engine(model_dir, dtype: str) -> LLM:
     return LLM(
@@ -125,6 +128,8 @@ def anon():
 class AtTheEnd:
     def __init__(self, model, kernels):
         self.done = set()
+    def finish(self):
+        pass
 
 seen = {"start": None, "last": None, "bytes": 0}
 if sys.argv[2] == "end":
@@ -269,3 +274,20 @@ def test_streamed_experts_match_the_load_then_quantize_path(
     _assert_same_engines(
         streamed, at_the_end, SamplingParams(temperature=0, max_tokens=4, logprobs=2)
     )
+
+
+def test_a_weight_the_checkpoint_repeats_after_it_was_quantized_is_named(
+    make_checkpoint, monkeypatch
+) -> None:
+    model_dir = make_checkpoint("LlamaForCausalLM", dtype=torch.bfloat16)
+    iterate = model_loader.iterate_weights
+
+    def repeating(path):
+        for name, tensor in iterate(path):
+            yield name, tensor
+            if name == "model.layers.0.mlp.down_proj.weight":
+                yield name, tensor  # a second shard file holding it again
+
+    monkeypatch.setattr(model_loader, "iterate_weights", repeating)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: .*duplicate"):
+        _engine(model_dir, "float32")

@@ -59,7 +59,10 @@ def load_model(
         model = model_cls(config.hf_config, config.max_model_len)
         quantize_layers(model, config)
     streamed = StreamedQuantization(model, kernels)
-    model.load_weights(iterate_weights(config.model))
+    try:
+        model.load_weights(iterate_weights(config.model))
+    finally:
+        streamed.finish()
     process_weights_after_loading(model, kernels, available_bytes, done=streamed.done)
     return model.eval()
 

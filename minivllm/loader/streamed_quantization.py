@@ -61,19 +61,25 @@ def _shards(module: nn.Module) -> set[object]:
     return {None}
 
 
+_TWICE = (
+    "the checkpoint holds this weight again after the layer was complete and quantized "
+    "(a duplicate tensor in the checkpoint)"
+)
+
+
 class _StreamedLoader:
     """Stands in for a streamed weight's `weight_loader`: loads, and processes the layer
     once every shard is in."""
 
-    def __init__(self, module: nn.Module, streaming: StreamedQuantization) -> None:
-        self.module = module
+    def __init__(self, name: str, module: nn.Module, streaming: StreamedQuantization) -> None:
+        self.name, self.module = name, module
         self.loader = module.weight.weight_loader
         self.pending = _shards(module)
         self.streaming = streaming
 
     def __call__(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
-        if not self.pending:  # a repeated tensor: the layer is already quantized
-            raise ValueError("the checkpoint fills this weight twice")
+        if not self.pending:
+            raise ValueError(f"{self.name}: {_TWICE}")
         self.loader(param, loaded, shard_id)
         self.pending.discard(shard_id)
         if shard_id is None:  # the whole fused weight in one tensor
@@ -86,8 +92,8 @@ class _StreamedExperts:
     """Stands in for a MoE layer's `load_expert_weight`: loads, and quantizes the layer's
     experts once every expert's three projections are in."""
 
-    def __init__(self, module: nn.Module, streaming: StreamedQuantization) -> None:
-        self.module = module
+    def __init__(self, name: str, module: nn.Module, streaming: StreamedQuantization) -> None:
+        self.name, self.module = name, module
         self.loader = module.load_expert_weight
         self.pending = {
             (e, p) for e in range(module.num_experts) for p in ("gate_proj", "up_proj", "down_proj")
@@ -96,13 +102,11 @@ class _StreamedExperts:
 
     def __call__(self, expert: int, proj: str, loaded) -> None:
         if not self.pending:
-            raise ValueError("the checkpoint fills these experts twice")
+            raise ValueError(f"{self.name}, expert {expert} {proj}: {_TWICE}")
         self.loader(expert, proj, loaded)
         self.pending.discard((expert, proj))
         if not self.pending:
-            module = self.module
-            del module.load_expert_weight  # the class's loader again
-            self.streaming.process_experts(module)
+            self.streaming.process_experts(self.module)
 
 
 class StreamedQuantization:
@@ -116,12 +120,26 @@ class StreamedQuantization:
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
         shared = {i for i, n in counts.items() if n > 1}
-        self.modules = [m for m in model.modules() if streamable(m, shared)]
-        for module in self.modules:
-            module.weight.weight_loader = _StreamedLoader(module, self)
+        self.loaders = [
+            _StreamedLoader(n, m, self) for n, m in model.named_modules() if streamable(m, shared)
+        ]
+        for loader in self.loaders:
+            loader.module.weight.weight_loader = loader
         self.moe_layers = [m for m in model.modules() if streamable_experts(m)]
+        for name, module in model.named_modules():
+            if streamable_experts(module):
+                module.load_expert_weight = _StreamedExperts(name, module, self)
+
+    def finish(self) -> None:
+        """Put the layers' own loaders back once the checkpoint is in (a layer the
+        checkpoint never completed is then processed with the rest, or named missing),
+        so that no loader keeps its module in a reference cycle."""
+        for loader in self.loaders:
+            if id(loader.module) not in self.done:
+                loader.module.weight.weight_loader = loader.loader
         for module in self.moe_layers:
-            module.load_expert_weight = _StreamedExperts(module, self)
+            del module.load_expert_weight  # the class's method again
+        self.loaders, self.moe_layers = [], []
 
     def process(self, module: nn.Module, param: nn.Parameter) -> None:
         module.quant_method.process_weights_after_loading(module, self.kernels)
