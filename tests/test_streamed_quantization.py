@@ -33,14 +33,10 @@ TARGETS = {
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [300, 2, 64, 64, 9]]
 
 
-class _AtTheEnd:
+def _at_the_end(monkeypatch) -> None:
     """StreamedQuantization switched off: every layer is processed after the load."""
-
-    def __init__(self, model, kernels) -> None:
-        self.done: set[int] = set()
-
-    def finish(self) -> None:
-        pass
+    monkeypatch.setattr(streamed_quantization, "streamable", lambda module, shared: False)
+    monkeypatch.setattr(streamed_quantization, "streamable_experts", lambda module: False)
 
 
 def _engine(model_dir, dtype: str) -> LLM:
@@ -106,7 +102,7 @@ def test_streamed_layers_match_the_load_then_quantize_path(
     # 2 layers x (qkv, o, gate_up, down) and the head, each as soon as its last shard came
     assert len(at_process) == 9
     assert at_process == sorted(at_process) and at_process[0] < yielded[0] // 2
-    monkeypatch.setattr(model_loader, "StreamedQuantization", _AtTheEnd)
+    _at_the_end(monkeypatch)
     at_the_end = _engine(model_dir, dtype)
 
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=1)
@@ -125,15 +121,9 @@ def anon():
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
 
-class AtTheEnd:
-    def __init__(self, model, kernels):
-        self.done = set()
-    def finish(self):
-        pass
-
 seen = {"start": None, "last": None, "bytes": 0}
 if sys.argv[2] == "end":
-    model_loader.StreamedQuantization = AtTheEnd
+    streamed_quantization.streamable = lambda module, shared: False
     process_all = model_loader.process_weights_after_loading
     def at_end(model, *args, **kwargs):
         seen["last"] = anon()
@@ -268,7 +258,7 @@ def test_streamed_experts_match_the_load_then_quantize_path(
     streamed = engine()
     assert len(at_process) == 2  # both MoE layers, each once its experts were in
     assert at_process[0] < yielded[0]
-    monkeypatch.setattr(model_loader, "StreamedQuantization", _AtTheEnd)
+    _at_the_end(monkeypatch)
     at_the_end = engine()
 
     _assert_same_engines(
@@ -291,3 +281,44 @@ def test_a_weight_the_checkpoint_repeats_after_it_was_quantized_is_named(
     monkeypatch.setattr(model_loader, "iterate_weights", repeating)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.down_proj: .*duplicate"):
         _engine(model_dir, "float32")
+
+
+def test_a_layer_that_fails_while_streamed_keeps_its_own_error(make_checkpoint) -> None:
+    model_dir = make_checkpoint("LlamaForCausalLM", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="linear_backend_per_quant"):
+        LLM(
+            str(model_dir),
+            dtype="bfloat16",
+            kv_cache_memory_bytes=4 << 20,
+            max_model_len=128,
+            quantization="int8",
+            cpu_kernels=False,  # no kernel to give the scheme the backend it asks for
+            kernel_config={"linear_backend_per_quant": {"int8_w8a16": "cpu_kernel"}},
+        )
+
+
+def test_repeated_expert_weight_after_its_layer_was_quantized_is_named(
+    moe_dir, monkeypatch
+) -> None:
+    iterate = model_loader.iterate_weights
+    repeated = "model.layers.1.mlp.experts.7.up_proj.weight"
+
+    def repeating(path):
+        tensors = list(iterate(path))
+        yield from tensors
+        yield next((n, t) for n, t in tensors if n == repeated)
+
+    monkeypatch.setattr(model_loader, "iterate_weights", repeating)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.experts, expert 7 up_proj"):
+        LLM(str(moe_dir), dtype="float32", max_model_len=128, quantization="int8")
+
+
+def test_the_huge_page_log_counts_the_streamed_layers(make_checkpoint, caplog) -> None:
+    from minivllm.utils import huge_pages
+
+    if not huge_pages.enabled():
+        pytest.skip("no MADV_HUGEPAGE here")
+    model_dir = make_checkpoint("LlamaForCausalLM", dtype=torch.bfloat16)  # all streamed
+    with caplog.at_level("INFO", logger="minivllm"):
+        _engine(model_dir, "bfloat16")
+    assert "quantized weights on huge pages" in caplog.text

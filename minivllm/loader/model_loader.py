@@ -63,7 +63,9 @@ def load_model(
         model.load_weights(iterate_weights(config.model))
     finally:
         streamed.finish()
-    process_weights_after_loading(model, kernels, available_bytes, done=streamed.done)
+    process_weights_after_loading(
+        model, kernels, available_bytes, done=streamed.done, arena_mark=streamed.arena_mark
+    )
     return model.eval()
 
 
@@ -99,13 +101,15 @@ def process_weights_after_loading(
     available_bytes: int | None = None,
     mapped: bool = False,
     done: set[int] = frozenset(),
+    arena_mark: tuple[int, float] | None = None,
 ) -> None:
     """Once the checkpoint is in: each linear method processes its weights (repacking,
     quantizing) for the engine's kernels, and each custom op picks its compiled ops.
 
     `mapped`: the weights came already processed and read-only from the weight cache;
     linear methods rebuild only their kernel objects (`process_weights_after_mapping`).
-    `done`: ids of the layers `StreamedQuantization` processed while the checkpoint loaded."""
+    `done`: ids of the layers `StreamedQuantization` processed while the checkpoint loaded;
+    `arena_mark`: the huge-page arena's (bytes, seconds) before them, for the log."""
     linears = [
         m
         for m in model.modules()
@@ -130,7 +134,7 @@ def process_weights_after_loading(
     tables = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     tied = {id(m): t for m in linears for t in tables if getattr(m, "weight", None) is t.weight}
     arena = huge_pages.weights_arena()
-    placed, seconds = arena.bytes_placed, arena.seconds
+    placed, seconds = arena_mark or (arena.bytes_placed, arena.seconds)
     for module in linears:
         if id(module) in done:
             pass

@@ -27,6 +27,7 @@ from minivllm.layers.linear import LinearBase, MergedColumnParallelLinear, QKVPa
 from minivllm.layers.moe import FusedMoE
 from minivllm.quantization.method import QuantizedLinearMethod
 from minivllm.quantization.moe_method import QuantizedMoEMethod
+from minivllm.utils import huge_pages
 
 
 def streamable(module: nn.Module, shared: set[int]) -> bool:
@@ -73,6 +74,7 @@ class _StreamedLoader:
 
     def __init__(self, name: str, module: nn.Module, streaming: StreamedQuantization) -> None:
         self.name, self.module = name, module
+        self.param = module.weight  # the layer drops it while processing
         self.loader = module.weight.weight_loader
         self.pending = _shards(module)
         self.streaming = streaming
@@ -111,11 +113,15 @@ class _StreamedExperts:
 
 class StreamedQuantization:
     """Installed on a built model before `load_weights`; `done` names the layers it
-    processed, which `process_weights_after_loading` then leaves alone."""
+    processed, which `process_weights_after_loading` then leaves alone, and `arena_mark`
+    is the huge-page arena's count before them."""
 
     def __init__(self, model: nn.Module, kernels: Kernels) -> None:
         self.kernels = kernels
         self.done: set[int] = set()
+        arena = huge_pages.weights_arena()
+        # what the arena held before: the load's log line counts the streamed layers too
+        self.arena_mark = (arena.bytes_placed, arena.seconds)
         counts: dict[int, int] = {}
         for _, p in model.named_parameters(remove_duplicate=False):
             counts[id(p)] = counts.get(id(p), 0) + 1
@@ -135,8 +141,7 @@ class StreamedQuantization:
         checkpoint never completed is then processed with the rest, or named missing),
         so that no loader keeps its module in a reference cycle."""
         for loader in self.loaders:
-            if id(loader.module) not in self.done:
-                loader.module.weight.weight_loader = loader.loader
+            loader.param.weight_loader = loader.loader
         for module in self.moe_layers:
             del module.load_expert_weight  # the class's method again
         self.loaders, self.moe_layers = [], []

@@ -84,6 +84,10 @@ class QuantizedLinearMethod(LinearMethodBase):
         create_full_precision_weight(layer, input_size, output_size, weight_loader)
 
     def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
+        if self.quant_weights is not None:
+            # processed already (loader/streamed_quantization.py, as the checkpoint
+            # streamed): `weight` now holds the quantized values, not the checkpoint's
+            return
         full = layer.weight.data
         self.dtype = full.dtype
         qw = formats.quantize(full, self.spec.scheme, self.spec.group_size, self.spec.symmetric)

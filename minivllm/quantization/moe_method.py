@@ -103,6 +103,8 @@ class QuantizedMoEMethod:
     def process_weights_after_loading(self, layer: nn.Module, kernels: Kernels) -> None:
         """Quantize one expert at a time into the stacks' final tensors: every scale is per
         row, so the result is the whole stack's, without its float32 temporaries."""
+        if self.stacked:  # processed already, as the checkpoint streamed
+            return
         spec = self.spec
         for part, (n, k) in self.shapes(layer).items():
             full = getattr(layer, part).data
