@@ -288,7 +288,7 @@ class DeepseekV32ForCausalLM(nn.Module):
         }
         loaded: set[tuple[str, int, str]] = set()
         # read now: online quantization replaces a layer's stacks once its experts are in
-        dtypes = {n: m.w13.dtype for n, m in modules.items() if isinstance(m, FusedMoE)}
+        dtypes = {n: m.w13.dtype for n, m in modules.items() if hasattr(m, "w13")}
 
         def others() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
