@@ -79,10 +79,7 @@ def create_full_precision_weight(
     quantization, layer by layer: loader/streamed_quantization.py; panels; a mapped
     copy) hands its pages straight back to the kernel instead of leaving a hole in the
     heap that later allocations would fault in page by page."""
-    if torch.get_default_device().type == "cpu":
-        data = own_mapping_empty((output_size, input_size), torch.get_default_dtype())
-    else:
-        data = torch.empty(output_size, input_size)
+    data = own_mapping_empty((output_size, input_size), torch.get_default_dtype())
     weight = nn.Parameter(data, requires_grad=False)
     weight.weight_loader = weight_loader
     layer.register_parameter("weight", weight)

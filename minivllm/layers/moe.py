@@ -175,14 +175,13 @@ class FusedMoE(CustomOp):
         # on the CPU each stack on a mapping of its own: quantizing the experts (as soon as
         # the checkpoint filled them, loader/streamed_quantization.py) or repacking them
         # hands the pages straight back (utils/memory.own_mapping_empty)
-        empty = torch.empty if torch.get_default_device().type != "cpu" else own_mapping_empty
-        dtype = torch.get_default_dtype()
+        self.dtype = torch.get_default_dtype()  # the checkpoint's experts are cast to it
         self.w13 = nn.Parameter(
-            empty((num_experts, 2 * self.intermediate, hidden_size), dtype=dtype),
+            own_mapping_empty((num_experts, 2 * self.intermediate, hidden_size), self.dtype),
             requires_grad=False,
         )
         self.w2 = nn.Parameter(
-            empty((num_experts, hidden_size, self.intermediate), dtype=dtype),
+            own_mapping_empty((num_experts, hidden_size, self.intermediate), self.dtype),
             requires_grad=False,
         )
 

@@ -63,9 +63,7 @@ def load_model(
         model.load_weights(iterate_weights(config.model))
     finally:
         streamed.finish()
-    process_weights_after_loading(
-        model, kernels, available_bytes, done=streamed.done, arena_mark=streamed.arena_mark
-    )
+    process_weights_after_loading(model, kernels, available_bytes, arena_mark=streamed.arena_mark)
     return model.eval()
 
 
@@ -100,7 +98,6 @@ def process_weights_after_loading(
     kernels: Kernels,
     available_bytes: int | None = None,
     mapped: bool = False,
-    done: set[int] = frozenset(),
     arena_mark: tuple[int, float] | None = None,
 ) -> None:
     """Once the checkpoint is in: each linear method processes its weights (repacking,
@@ -108,8 +105,9 @@ def process_weights_after_loading(
 
     `mapped`: the weights came already processed and read-only from the weight cache;
     linear methods rebuild only their kernel objects (`process_weights_after_mapping`).
-    `done`: ids of the layers `StreamedQuantization` processed while the checkpoint loaded;
-    `arena_mark`: the huge-page arena's (bytes, seconds) before them, for the log."""
+    Layers `StreamedQuantization` processed while the checkpoint loaded are left as they
+    are (their methods return at once); `arena_mark` is the huge-page arena's (bytes,
+    seconds) before those, for the log."""
     linears = [
         m
         for m in model.modules()
@@ -136,9 +134,7 @@ def process_weights_after_loading(
     arena = huge_pages.weights_arena()
     placed, seconds = arena_mark or (arena.bytes_placed, arena.seconds)
     for module in linears:
-        if id(module) in done:
-            pass
-        elif mapped:
+        if mapped:
             module.quant_method.process_weights_after_mapping(module, kernels)
         else:
             module.quant_method.process_weights_after_loading(module, kernels)
@@ -162,9 +158,7 @@ def process_weights_after_loading(
         )
     experts = [m for m in moe_layers if m.quant_method is not None]
     for module in experts:
-        if id(module) in done:
-            pass
-        elif mapped:
+        if mapped:
             module.quant_method.process_weights_after_mapping(module, kernels)
         else:
             module.quant_method.process_weights_after_loading(module, kernels)

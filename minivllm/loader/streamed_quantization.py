@@ -19,6 +19,8 @@ layers, unquantized ones, a tied head) are processed at the end as before.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from torch import nn
 
 from minivllm.kernels.registry import Kernels
@@ -82,10 +84,8 @@ class _StreamedLoader:
     def __call__(self, param: nn.Parameter, loaded, shard_id: object = None) -> None:
         if not self.pending:
             raise ValueError(f"{self.name}: {_TWICE}")
-        self.loader(param, loaded, shard_id)
+        self.loader(param, loaded, shard_id)  # a fused layer's refuses shard None
         self.pending.discard(shard_id)
-        if shard_id is None:  # the whole fused weight in one tensor
-            self.pending.clear()
         if not self.pending:
             self.streaming.process(self.module, param)
 
@@ -112,29 +112,24 @@ class _StreamedExperts:
 
 
 class StreamedQuantization:
-    """Installed on a built model before `load_weights`; `done` names the layers it
-    processed, which `process_weights_after_loading` then leaves alone, and `arena_mark`
-    is the huge-page arena's count before them."""
+    """Installed on a built model before `load_weights`. The layers it processed are left
+    alone by `process_weights_after_loading` (their methods know they are processed);
+    `arena_mark` is the huge-page arena's count before them, for the load's log line."""
 
     def __init__(self, model: nn.Module, kernels: Kernels) -> None:
         self.kernels = kernels
-        self.done: set[int] = set()
         arena = huge_pages.weights_arena()
         # what the arena held before: the load's log line counts the streamed layers too
         self.arena_mark = (arena.bytes_placed, arena.seconds)
-        counts: dict[int, int] = {}
-        for _, p in model.named_parameters(remove_duplicate=False):
-            counts[id(p)] = counts.get(id(p), 0) + 1
+        counts = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
         shared = {i for i, n in counts.items() if n > 1}
-        self.loaders = [
-            _StreamedLoader(n, m, self) for n, m in model.named_modules() if streamable(m, shared)
-        ]
+        modules = list(model.named_modules())
+        self.loaders = [_StreamedLoader(n, m, self) for n, m in modules if streamable(m, shared)]
         for loader in self.loaders:
             loader.module.weight.weight_loader = loader
-        self.moe_layers = [m for m in model.modules() if streamable_experts(m)]
-        for name, module in model.named_modules():
-            if streamable_experts(module):
-                module.load_expert_weight = _StreamedExperts(name, module, self)
+        self.experts = [_StreamedExperts(n, m, self) for n, m in modules if streamable_experts(m)]
+        for experts in self.experts:
+            experts.module.load_expert_weight = experts
 
     def finish(self) -> None:
         """Put the layers' own loaders back once the checkpoint is in (a layer the
@@ -142,18 +137,16 @@ class StreamedQuantization:
         so that no loader keeps its module in a reference cycle."""
         for loader in self.loaders:
             loader.param.weight_loader = loader.loader
-        for module in self.moe_layers:
-            del module.load_expert_weight  # the class's method again
-        self.loaders, self.moe_layers = [], []
+        for experts in self.experts:
+            del experts.module.load_expert_weight  # the class's method again
+        self.loaders, self.experts = [], []
 
     def process(self, module: nn.Module, param: nn.Parameter) -> None:
         module.quant_method.process_weights_after_loading(module, self.kernels)
         param.data = param.data.new_empty(0)  # unmaps the full-precision copy now
-        self.done.add(id(module))
 
     def process_experts(self, module: nn.Module) -> None:
         full = [module.w13, module.w2]
         module.quant_method.process_weights_after_loading(module, self.kernels)
         for param in full:  # whoever else holds them, the stacks go now
             param.data = param.data.new_empty(0)
-        self.done.add(id(module))

@@ -287,8 +287,6 @@ class DeepseekV32ForCausalLM(nn.Module):
             for proj in ("gate_proj", "up_proj", "down_proj")
         }
         loaded: set[tuple[str, int, str]] = set()
-        # read now: online quantization replaces a layer's stacks once its experts are in
-        dtypes = {n: m.w13.dtype for n, m in modules.items() if hasattr(m, "w13")}
 
         def others() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
@@ -324,7 +322,7 @@ class DeepseekV32ForCausalLM(nn.Module):
                         "experts load from a quantization_config: transformers' fp8 or "
                         "compressed-tensors)"
                     )
-                module.load_expert_weight(expert, proj, tensor.to(dtypes[owner]))
+                module.load_expert_weight(expert, proj, tensor.to(module.dtype))
                 loaded.add((owner, expert, proj))
 
         skip = tuple(stacked) + (("lm_head.weight",) if self.config.tie_word_embeddings else ())

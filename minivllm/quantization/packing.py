@@ -78,7 +78,7 @@ def prepack(
         )
     if layout == "w4a8":
         if qw.scheme != "int4_w4a8":
-            raise ValueError(f"prepack_w4a8 packs int4_w4a8 weights, not {qw.scheme}")
+            raise ValueError(f"w4a8 panels pack int4_w4a8 weights, not {qw.scheme}")
         pack, panel = pack_vnni_w4a8, W4A8_PANEL
     elif qw.scheme != "int8_w8a8":
         raise ValueError(f"only int8_w8a8 weights are prepacked, not {qw.scheme}")

@@ -78,13 +78,15 @@ def release_freed_host_memory() -> bool:
 
 
 def own_mapping_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor on an anonymous mapping of its own, unmapped as soon as
-    the last reference to it goes: memory held only for a while (a full-precision weight
-    until it is quantized) that must go back to the kernel, not to the heap
-    (`keep_freed_host_memory` keeps what the heap frees). Off Linux, `torch.empty`."""
+    """An uninitialised tensor on the default device; on a Linux CPU, on an anonymous
+    mapping of its own, unmapped as soon as the last reference to it goes: memory held only
+    for a while (a full-precision weight until it is quantized or repacked) that must go
+    back to the kernel, not to the heap (`keep_freed_host_memory` keeps what the heap
+    frees). Elsewhere `torch.empty`."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
-    if not sys.platform.startswith("linux") or nbytes == 0:
-        return torch.empty(shape, dtype=dtype, device="cpu")
+    cpu = torch.get_default_device().type == "cpu"
+    if not cpu or not sys.platform.startswith("linux") or nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
     import mmap
 
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
