@@ -20,6 +20,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.loader import model_loader, streamed_quantization
+from minivllm.utils import huge_pages
 
 REPO = Path(__file__).resolve().parents[1]
 TARGETS = {
@@ -194,9 +195,73 @@ def test_quantizing_in_row_chunks_is_quantizing_whole(monkeypatch, scheme, symme
     whole = formats.quantize(weight, scheme, 64, symmetric)
     monkeypatch.setattr(formats, "QUANTIZE_CHUNK", 256 * 7)  # 7 rows a chunk
     chunked = formats.quantize(weight, scheme, 64, symmetric)
-    assert whole.tensors().keys() == chunked.tensors().keys()
-    for name, tensor in whole.tensors().items():
-        assert torch.equal(chunked.tensors()[name], tensor), name
+    arena = huge_pages.HugePageArena()
+    in_arena = formats.quantize(weight, scheme, 64, symmetric, empty=arena.empty)
+    for got in (chunked, in_arena):
+        assert whole.tensors().keys() == got.tensors().keys()
+        for name, tensor in whole.tensors().items():
+            assert torch.equal(got.tensors()[name], tensor), name
+    if huge_pages.enabled():  # made by the arena: its copy leaves them where they are
+        assert all(arena.copy(t) is t for t in in_arena.tensors().values())
+        assert all(arena.copy(t) is not t for t in chunked.tensors().values())
+
+
+@pytest.mark.skipif(not huge_pages.enabled(), reason="no MADV_HUGEPAGE here")
+def test_weight_only_layers_are_quantized_where_they_stay(make_checkpoint, monkeypatch) -> None:
+    """A weight-only layer's rows and scales are quantized into the huge-page arena, not
+    quantized elsewhere and copied there: the tied LM head (processed at the end, when the
+    rest of the model is in) would otherwise be held twice at the load's peak."""
+    from minivllm.quantization import formats
+
+    copied = []
+    copy = huge_pages.HugePageArena.copy
+
+    def spying(self, tensor):
+        out = copy(self, tensor)
+        if out is not tensor:
+            copied.append((tuple(tensor.shape), tensor.dtype))
+        return out
+
+    monkeypatch.setattr(huge_pages.HugePageArena, "copy", spying)
+    monkeypatch.setattr(formats, "QUANTIZE_CHUNK", 1 << 10)  # every layer in row chunks
+    model_dir = make_checkpoint("Qwen3ForCausalLM", dtype=torch.bfloat16)  # tied head
+    targets = {"*": {"scheme": "int4_w4a16", "group_size": 32}, "lm_head": "int8"}
+    llm = LLM(
+        str(model_dir),
+        dtype="bfloat16",
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=128,
+        quantization="online",
+        quantization_config={"targets": targets},
+    )
+    model = llm.llm_engine.executor.runner.model
+    assert type(model.lm_head.quant_method).__name__ == "QuantizedLinearMethod"
+    assert model.lm_head.weight.dtype == torch.int8
+    assert copied == []
+
+
+def test_the_heap_is_trimmed_as_layers_stream(make_checkpoint, monkeypatch) -> None:
+    """What quantizing freed in the heap goes back to the kernel every TRIM_EVERY_BYTES of
+    processed checkpoint (here every layer), and once more before the end's processing."""
+    trims, processed = [], []
+    monkeypatch.setattr(streamed_quantization, "release_freed_host_memory", lambda: trims.append(1))
+    monkeypatch.setattr(model_loader, "release_freed_host_memory", lambda: trims.append("end"))
+    process = streamed_quantization.StreamedQuantization.process
+
+    def recording(self, module, param):
+        processed.append(module)
+        process(self, module, param)
+
+    monkeypatch.setattr(streamed_quantization.StreamedQuantization, "process", recording)
+    monkeypatch.setattr(streamed_quantization, "TRIM_EVERY_BYTES", 1)
+    model_dir = make_checkpoint("LlamaForCausalLM", dtype=torch.bfloat16)
+    _engine(model_dir, "bfloat16")
+    assert processed and trims.count(1) == len(processed)
+    assert trims.count("end") == 2  # before the end's processing, and after it
+    trims.clear()
+    monkeypatch.setattr(streamed_quantization, "TRIM_EVERY_BYTES", 1 << 40)
+    _engine(model_dir, "bfloat16")
+    assert trims == ["end", "end"]
 
 
 @pytest.mark.parametrize(
@@ -314,8 +379,6 @@ def test_repeated_expert_weight_after_its_layer_was_quantized_is_named(
 
 
 def test_the_huge_page_log_counts_the_streamed_layers(make_checkpoint, caplog) -> None:
-    from minivllm.utils import huge_pages
-
     if not huge_pages.enabled():
         pytest.skip("no MADV_HUGEPAGE here")
     model_dir = make_checkpoint("LlamaForCausalLM", dtype=torch.bfloat16)  # all streamed

@@ -129,6 +129,10 @@ def process_weights_after_loading(
                 MAX_KERNEL_ROWS_PACKED,
                 weight_bytes / 2**30,
             )
+    if not mapped:
+        # what the streamed layers' processing freed goes back before the end's copies (a
+        # tied LM head's prepacked or quantized one) are made on top of it
+        release_freed_host_memory()
     tables = [m for m in model.modules() if type(m) is VocabParallelEmbedding]
     tied = {id(m): t for m in linears for t in tables if getattr(m, "weight", None) is t.weight}
     arena = huge_pages.weights_arena()

@@ -22,6 +22,7 @@ The int4 nibbles are packed so that one 16-byte load, widened to 16-bit lanes, g
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -223,7 +224,11 @@ def unpack_int4(packed: Tensor) -> Tensor:
 
 
 def quantize(
-    weight: Tensor, scheme: str, group_size: int = 128, symmetric: bool = True
+    weight: Tensor,
+    scheme: str,
+    group_size: int = 128,
+    symmetric: bool = True,
+    empty: Callable[..., Tensor] | None = None,
 ) -> QuantWeights:
     """Quantize a float weight [N, K] (in float32) into `scheme`'s kernel layout.
 
@@ -239,14 +244,20 @@ def quantize(
     Every scheme's numbers are per row, so a large weight is quantized `QUANTIZE_CHUNK`
     elements of rows at a time: the float32 temporaries stay a few MiB whatever the layer
     (a load that quantizes layer by layer, loader/streamed_quantization.py, would otherwise
-    leave them in the heap as it grew), and the result is the same.
+    leave them in the heap as it grew), and the result is the same. `empty(shape, dtype,
+    device)` allocates the results of such a weight (the huge-page arena's, so that a large
+    LM head is quantized where it stays instead of copied there after).
     """
     n, k = weight.shape
     rows = max(1, QUANTIZE_CHUNK // max(k, 1))
     if n <= rows:
         return _quantize_rows(weight, scheme, group_size, symmetric)
     first = _quantize_rows(weight[:rows], scheme, group_size, symmetric)
-    out = {name: t.new_empty((n, *t.shape[1:])) for name, t in first.tensors().items()}
+    empty = empty or torch.empty
+    out = {
+        name: empty((n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        for name, t in first.tensors().items()
+    }
     for start in range(0, n, rows):
         part = (
             first

@@ -90,7 +90,15 @@ class QuantizedLinearMethod(LinearMethodBase):
             return
         full = layer.weight.data
         self.dtype = full.dtype
-        qw = formats.quantize(full, self.spec.scheme, self.spec.group_size, self.spec.symmetric)
+        # the weight-only schemes keep their rows whatever the backend: quantized straight
+        # onto huge pages, a large one (a tied LM head, 389 MB of int8 at the Qwen3-4B
+        # shape) is not held twice on its way there; int8_w8a8's and int4_w4a8's rows may
+        # give way to panels (`use`)
+        rows_stay = self.spec.scheme not in ("int8_w8a8", "int4_w4a8")
+        empty = huge_pages.weights_arena().empty if rows_stay else None
+        qw = formats.quantize(
+            full, self.spec.scheme, self.spec.group_size, self.spec.symmetric, empty
+        )
         self.install(layer, qw, kernels)
 
     def install(self, layer: nn.Module, qw: formats.QuantWeights, kernels: Kernels) -> None:

@@ -26,6 +26,7 @@ import mmap
 import os
 import sys
 import time
+import weakref
 
 import torch
 
@@ -53,6 +54,8 @@ class HugePageArena:
         self._used = 0
         self.bytes_placed = 0
         self.seconds = 0.0  # spent mapping and copying
+        # the tensors `empty` gave out, by id: `copy` leaves them where they are
+        self._given: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 
     def _map(self, nbytes: int) -> torch.Tensor:
         size = -(-(nbytes + HUGE_PAGE_BYTES) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
@@ -64,8 +67,10 @@ class HugePageArena:
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`'s copy in the arena (contiguous), or `tensor` itself where huge pages
-        are off or it is not a CPU tensor."""
+        are off, it is not a CPU tensor, or the arena's `empty` made it."""
         if not enabled() or tensor.device.type != "cpu" or tensor.numel() == 0:
+            return tensor
+        if self._given.get(id(tensor)) is tensor:
             return tensor
         start = time.perf_counter()
         out = self._room(tensor.shape, tensor.dtype)
@@ -78,10 +83,13 @@ class HugePageArena:
     ) -> torch.Tensor:
         """An uninitialised tensor in the arena (`torch.empty` where huge pages are off or
         `device` is not the CPU), for tensors built piece by piece (quantized MoE experts,
-        one expert at a time)."""
+        one expert at a time; a large weight quantized a chunk of rows at a time), which
+        `copy` then leaves in place."""
         if not enabled() or torch.device(device).type != "cpu" or not all(shape):
             return torch.empty(shape, dtype=dtype, device=device)
-        return self._room(shape, dtype)
+        out = self._room(shape, dtype)
+        self._given[id(out)] = out
+        return out
 
     def _room(self, shape, dtype: torch.dtype) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
