@@ -36,6 +36,16 @@ SHAPES = {
         num_attention_heads=32,
         num_key_value_heads=8,
     ),
+    # 16.4 GB in bf16: what an online int8 load could not hold beside its quantized copy
+    # on a 24 GiB machine before the load quantized layer by layer
+    "8b": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
 }
 
 
