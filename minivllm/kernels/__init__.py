@@ -71,6 +71,7 @@ def get_cpu_kernels() -> ModuleType | None:
             "quant_gemm.cpp",
             "dequantize.cpp",
             "quant_w8a8.cpp",
+            "quantize_weight.cpp",
             "int4_w4a8.cpp",
             "amx_w8a8.cpp",
             "dsa.cpp",

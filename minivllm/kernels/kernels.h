@@ -130,6 +130,11 @@ torch::Tensor int4_w4a8_packed_linear(torch::Tensor x, torch::Tensor packed, int
                                       int64_t group_size, c10::optional<torch::Tensor> bias);
 // One row of x (K % 16 == 0) as quantize_per_token_int8 does it: q, and the scale returned.
 float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
+// formats.quantize of a bf16 weight [N, K] into q, scale (and zero: asymmetric int4), bit for
+// bit: kind 1 int8 (both int8 schemes' rows; wsum: int8_w8a8's row sums), 2 int4 (packed;
+// groups of a multiple of 16 k).
+void quantize_weight(torch::Tensor w, int64_t kind, int64_t group_size, torch::Tensor q, torch::Tensor scale,
+                     c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> wsum);
 // parallel_for's grain for quantizing rows of x: they split once a batch holds more than
 // ~8K values, where a thread's share pays for starting it. A decode batch's 16 rows of 1024 had gone to one
 // thread (~0.8 ms of a 57 ms int8_w8a8 step on a 2-core Zen 4, the other thread waiting).

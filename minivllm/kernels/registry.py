@@ -75,6 +75,7 @@ register_family(
             "watermark_argmax",
             "quant_linear",
             "quantize_per_token_int8",
+            "quantize_weight",
             "dequantize_bf16",
             "dequantized_linear",
             "amx_w8a8_available",

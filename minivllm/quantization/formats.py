@@ -229,6 +229,7 @@ def quantize(
     group_size: int = 128,
     symmetric: bool = True,
     empty: Callable[..., Tensor] | None = None,
+    kernel: Callable[..., None] | None = None,
 ) -> QuantWeights:
     """Quantize a float weight [N, K] (in float32) into `scheme`'s kernel layout.
 
@@ -247,7 +248,14 @@ def quantize(
     leave them in the heap as it grew), and the result is the same. `empty(shape, dtype,
     device)` allocates the results of such a weight (the huge-page arena's, so that a large
     LM head is quantized where it stays instead of copied there after).
+
+    `kernel`: the compiled `quantize_weight` (kernels/quantize_weight.cpp), which quantizes a
+    bf16 weight's int8 and int4 schemes bit for bit as below in one pass over each row
+    (~0.5 G weights a second here become several; tests/test_quantize_weight.py checks them
+    equal); other weights and schemes take the torch ops.
     """
+    if kernel is not None and _kernel_quantizes(weight, scheme, group_size):
+        return _quantize_compiled(kernel, weight, scheme, group_size, symmetric, empty)
     n, k = weight.shape
     rows = max(1, QUANTIZE_CHUNK // max(k, 1))
     if n <= rows:
@@ -270,6 +278,47 @@ def quantize(
 
 
 QUANTIZE_CHUNK = 1 << 18  # elements of the weight quantized at a time (1 MiB as float32)
+
+
+def _kernel_quantizes(weight: Tensor, scheme: str, group_size: int) -> bool:
+    """Whether `quantize_weight` takes this weight: bf16 on the CPU, K a multiple of 16 (int8)
+    with int4 groups of a multiple of 32 dividing it (the only groups formats' layout takes)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    k = weight.shape[1]
+    if scheme in ("int8_w8a16", "int8_w8a8"):
+        return k % 16 == 0
+    return (
+        scheme in INT4_SCHEMES
+        and group_size > 0
+        and group_size % INT4_CHUNK == 0
+        and k % group_size == 0
+    )
+
+
+def _quantize_compiled(
+    kernel: Callable[..., None],
+    weight: Tensor,
+    scheme: str,
+    group_size: int,
+    symmetric: bool,
+    empty: Callable[..., Tensor] | None,
+) -> QuantWeights:
+    n, k = weight.shape
+    empty = empty or torch.empty
+    w = weight.detach().contiguous()
+    if scheme in ("int8_w8a16", "int8_w8a8"):
+        q = empty((n, k), dtype=torch.int8, device=w.device)
+        scale = empty((n,), dtype=torch.float32, device=w.device)
+        wsum = torch.empty(n, dtype=torch.int32) if scheme == "int8_w8a8" else None
+        kernel(w, 1, 0, q, scale, None, wsum)
+        return QuantWeights(scheme, q, scale, None, wsum, 0, n, k)
+    groups = (n, k // group_size)
+    packed = empty((n, k // 2), dtype=torch.uint8, device=w.device)
+    scale = empty(groups, dtype=torch.float32, device=w.device)
+    zero = None if symmetric else empty(groups, dtype=torch.float32, device=w.device)
+    kernel(w, 2, group_size, packed, scale, zero, None)
+    return QuantWeights(scheme, packed, scale, zero, None, group_size, n, k)
 
 
 def _quantize_rows(weight: Tensor, scheme: str, group_size: int, symmetric: bool) -> QuantWeights:

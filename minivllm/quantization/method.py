@@ -97,7 +97,12 @@ class QuantizedLinearMethod(LinearMethodBase):
         rows_stay = self.spec.scheme not in ("int8_w8a8", "int4_w4a8")
         empty = huge_pages.weights_arena().empty if rows_stay else None
         qw = formats.quantize(
-            full, self.spec.scheme, self.spec.group_size, self.spec.symmetric, empty
+            full,
+            self.spec.scheme,
+            self.spec.group_size,
+            self.spec.symmetric,
+            empty,
+            kernels.op("quantize_weight"),
         )
         self.install(layer, qw, kernels)
 

@@ -105,7 +105,7 @@ class QuantizedMoEMethod:
         row, so the result is the whole stack's, without its float32 temporaries."""
         if self.stacked:  # processed already, as the checkpoint streamed
             return
-        spec = self.spec
+        spec, kernel = self.spec, kernels.op("quantize_weight")
         for part, (n, k) in self.shapes(layer).items():
             full = getattr(layer, part).data
             stacks = self._build_stacks(
@@ -114,7 +114,7 @@ class QuantizedMoEMethod:
                 k,
                 full.device,
                 lambda e, w=full: formats.quantize(
-                    w[e], spec.scheme, spec.group_size, spec.symmetric
+                    w[e], spec.scheme, spec.group_size, spec.symmetric, kernel=kernel
                 ),
             )
             delattr(layer, part)
