@@ -39,6 +39,18 @@ def _ties(n: int, k: int, qmax: int) -> torch.Tensor:
     return (halves * torch.exp2(exponent)).bfloat16()
 
 
+def _fp8_edges(n: int, k: int) -> torch.Tensor:
+    """Rows whose quotients reach e4m3's edges: its subnormals (multiples of 2^-9 below
+    2^-6) and their ties, the smallest normal, ties between normals, and 448."""
+    gen = torch.Generator().manual_seed(n + 7 * k)
+    mags = torch.exp2(torch.randint(-11, 9, (n, k), generator=gen).float())
+    mags = mags * (1 + torch.randint(0, 16, (n, k), generator=gen).float() / 16)
+    signs = torch.randint(0, 2, (n, k), generator=gen).float() * 2 - 1
+    w = (mags * signs).clamp(-448, 448)
+    w[:, 0] = 448  # scale 1: the quotients are the values themselves
+    return w.bfloat16()
+
+
 def _assert_same(got: formats.QuantWeights, want: formats.QuantWeights) -> None:
     assert got.scheme == want.scheme and got.group_size == want.group_size
     assert got.tensors().keys() == want.tensors().keys()
@@ -47,10 +59,10 @@ def _assert_same(got: formats.QuantWeights, want: formats.QuantWeights) -> None:
         assert torch.equal(got.tensors()[name], tensor), name
 
 
-@pytest.mark.parametrize("scheme", ["int8_w8a16", "int8_w8a8"])
+@pytest.mark.parametrize("scheme", ["int8_w8a16", "int8_w8a8", "fp8_w8a16"])
 @pytest.mark.parametrize(("n", "k"), [(1, 16), (7, 48), (64, 1024), (300, 2560)])
-def test_int8_matches_the_torch_ops(scheme, n, k) -> None:
-    for w in (_weights(n, k, n + k), _ties(n, k, 127)):
+def test_per_channel_schemes_match_the_torch_ops(scheme, n, k) -> None:
+    for w in (_weights(n, k, n + k), _ties(n, k, 127), _fp8_edges(n, k)):
         want = formats.quantize(w, scheme)
         got = formats.quantize(w, scheme, kernel=kernels.quantize_weight)
         _assert_same(got, want)
@@ -85,10 +97,22 @@ def test_the_kernel_path_is_taken_and_fills_the_given_tensors() -> None:
         (w.float(), "int8_w8a16", 0),
         (_weights(4, 40, 1), "int8_w8a16", 0),
         (w.float(), "int4_w4a16", 64),
-        (w, "fp8_w8a16", 0),
+        (w.float(), "fp8_w8a16", 0),
     ]:
         formats.quantize(weight, scheme, group or 128, True, kernel=counting)
     assert calls == [2]
+
+
+@pytest.mark.parametrize(("scheme", "symmetric"), [("int8_w8a16", True), ("int8_w8a8", True),
+                                                   ("fp8_w8a16", True), *INT4])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_nan_or_infinite_weights_are_refused(scheme, symmetric, bad, compiled) -> None:
+    w = _weights(8, 128, 5)
+    w[5, 77] = bad
+    kernel = kernels.quantize_weight if compiled else None
+    with pytest.raises(ValueError, match="NaN"):
+        formats.quantize(w, scheme, 32, symmetric, kernel=kernel)
 
 
 def test_an_engine_quantizes_with_the_kernel(qwen3_dir, monkeypatch) -> None:

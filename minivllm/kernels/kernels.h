@@ -132,7 +132,7 @@ torch::Tensor int4_w4a8_packed_linear(torch::Tensor x, torch::Tensor packed, int
 float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
 // formats.quantize of a bf16 weight [N, K] into q, scale (and zero: asymmetric int4), bit for
 // bit: kind 1 int8 (both int8 schemes' rows; wsum: int8_w8a8's row sums), 2 int4 (packed;
-// groups of a multiple of 16 k).
+// groups of a multiple of 16 k), 3 fp8_w8a16 (per channel); a NaN's row or group: NaN scale.
 void quantize_weight(torch::Tensor w, int64_t kind, int64_t group_size, torch::Tensor q, torch::Tensor scale,
                      c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> wsum);
 // parallel_for's grain for quantizing rows of x: they split once a batch holds more than

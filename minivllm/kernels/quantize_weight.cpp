@@ -18,11 +18,17 @@
 //                hi == lo), zero = clamp(round(-lo / scale), 0, 15),
 //                q = clamp(round(w / scale) + zero, 0, 15);
 //    packed as formats.pack_int4: chunks of 32 k, byte j = q[j] | q[16 + j] << 4.
+//  fp8 (kind 3, fp8_w8a16): scale = amax|w_row| / 448 (1 for a zero row),
+//                 q = e4m3fn(clamp(w / scale, +-448)), rounded to nearest even as torch's
+//                 conversion rounds (its subnormals, multiples of 2^-9, included).
+// A row (int4: a group) holding a NaN gets a NaN scale, which formats.quantize refuses, as
+// the torch ops' NaN amax does.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -44,6 +50,47 @@ inline float round_even(float a) {
 // round(x / s) as int32 lanes, half to even
 inline __m512i rounded_quotient(const bf16* x, __m512 s) {
   return _mm512_cvt_roundps_epi32(_mm512_div_round_ps(load_bf16x16(x), s, kRound), kRound);
+}
+
+// Whether x[0, K) holds a NaN (K % 16 == 0): the max that finds amax drops NaNs. Read on
+// the bits (exponent all ones, mantissa not zero), which -ffast-math leaves alone.
+bool has_nan(const bf16* x, int64_t K) {
+  const __m256i magnitude = _mm256_set1_epi16(0x7FFF), inf = _mm256_set1_epi16(0x7F80);
+  __mmask16 nan = 0;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k));
+    nan |= _mm256_cmpgt_epi16_mask(_mm256_and_si256(v, magnitude), inf);
+  }
+  return nan != 0;
+}
+
+// e4m3fn bits of v (|v| <= 448, no NaN), rounded to nearest even: normal numbers drop 20
+// mantissa bits (a carry moves into the exponent) and rebias 127 -> 7; below 2^-6 the
+// value is a multiple of 2^-9, 0..8 (8: the smallest normal, whose bits are the same).
+inline __m128i e4m3_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(u, 24), _mm512_set1_epi32(0x80));
+  const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(mag, _mm512_add_epi32(_mm512_set1_epi32(0x7FFFF), odd));
+  const __m512i normal = _mm512_sub_epi32(_mm512_srli_epi32(up, 20), _mm512_set1_epi32(120 << 3));
+  const __m512 absv = _mm512_castsi512_ps(mag);
+  const __m512i sub = _mm512_cvt_roundps_epi32(_mm512_mul_ps(absv, _mm512_set1_ps(512.f)), kRound);
+  const __mmask16 small = _mm512_cmp_ps_mask(absv, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ);
+  return _mm512_cvtepi32_epi8(_mm512_or_si512(sign, _mm512_mask_blend_epi32(small, normal, sub)));
+}
+
+float fp8_row(const bf16* x, int64_t K, uint8_t* q) {
+  __m512 amax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(x + k)));
+  const float top = _mm512_reduce_max_ps(amax);
+  const float s = top > 0.f ? div_round(top, 448.f) : 1.f;
+  const __m512 vs = _mm512_set1_ps(s), lim = _mm512_set1_ps(448.f), neg = _mm512_set1_ps(-448.f);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_div_round_ps(load_bf16x16(x + k), vs, kRound), neg), lim);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), e4m3_bits(v));
+  }
+  return s;
 }
 
 // One row's int4 values (0..15, one byte each) into q, its scales and zero points (zero:
@@ -135,11 +182,26 @@ void quantize_weight(torch::Tensor w, int64_t kind, int64_t group_size, torch::T
       for (int64_t n = n0; n < n1; ++n) {
         sp[n] = quantize_row_int8(x + n * K, K, qp + n * K);
         if (ws) ws[n] = row_sum(qp + n * K, K);  // the row is still in L1
+        if (has_nan(x + n * K, K)) sp[n] = NAN;
       }
     });
     return;
   }
-  TORCH_CHECK(kind == 2, "quantize_weight: kind must be 1 (int8) or 2 (int4), got ", kind);
+  if (kind == 3) {
+    TORCH_CHECK(K % 16 == 0, "quantize_weight: fp8 needs K % 16 == 0, got ", K);
+    check_out(q, "q", at::kByte, {N, K});
+    check_out(scale, "scale", at::kFloat, {N});
+    uint8_t* qp = q.data_ptr<uint8_t>();
+    float* sp = scale.data_ptr<float>();
+    at::parallel_for(0, N, quantize_grain(K), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        sp[n] = fp8_row(x + n * K, K, qp + n * K);
+        if (has_nan(x + n * K, K)) sp[n] = NAN;
+      }
+    });
+    return;
+  }
+  TORCH_CHECK(kind == 2, "quantize_weight: kind must be 1 (int8), 2 (int4) or 3 (fp8), got ", kind);
   TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && K % 32 == 0,
               "quantize_weight: int4 needs groups of a multiple of 16 k dividing K, and K % 32 == 0; got K=",
               K, ", group_size ", group_size);
@@ -156,6 +218,8 @@ void quantize_weight(torch::Tensor w, int64_t kind, int64_t group_size, torch::T
     for (int64_t n = n0; n < n1; ++n) {
       int4_row(x + n * K, K, group_size, sp + n * groups, zp ? zp + n * groups : nullptr, values.data());
       pack_row(values.data(), K, qp + n * K / 2);
+      for (int64_t g = 0; g < groups; ++g)
+        if (has_nan(x + n * K + g * group_size, group_size)) sp[n * groups + g] = NAN;
     }
   });
 }

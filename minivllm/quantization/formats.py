@@ -250,16 +250,16 @@ def quantize(
     LM head is quantized where it stays instead of copied there after).
 
     `kernel`: the compiled `quantize_weight` (kernels/quantize_weight.cpp), which quantizes a
-    bf16 weight's int8 and int4 schemes bit for bit as below in one pass over each row
+    bf16 weight's int8, int4 and fp8 schemes bit for bit as below in one pass over each row
     (~0.5 G weights a second here become several; tests/test_quantize_weight.py checks them
-    equal); other weights and schemes take the torch ops.
+    equal); other weights take the torch ops. A weight with NaN or infinite values is refused.
     """
     if kernel is not None and _kernel_quantizes(weight, scheme, group_size):
-        return _quantize_compiled(kernel, weight, scheme, group_size, symmetric, empty)
+        return _finite(_quantize_compiled(kernel, weight, scheme, group_size, symmetric, empty))
     n, k = weight.shape
     rows = max(1, QUANTIZE_CHUNK // max(k, 1))
     if n <= rows:
-        return _quantize_rows(weight, scheme, group_size, symmetric)
+        return _finite(_quantize_rows(weight, scheme, group_size, symmetric))
     first = _quantize_rows(weight[:rows], scheme, group_size, symmetric)
     empty = empty or torch.empty
     out = {
@@ -274,19 +274,30 @@ def quantize(
         )
         for name, t in part.tensors().items():
             out[name][start : start + len(t)].copy_(t)
-    return dataclasses.replace(first, **out, out_features=n)
+    return _finite(dataclasses.replace(first, **out, out_features=n))
+
+
+def _finite(qw: QuantWeights) -> QuantWeights:
+    """`qw`, unless a NaN or an infinity in the weight made a scale other than finite (the
+    values it scaled are then meaningless)."""
+    if not bool(torch.isfinite(qw.scale).all()):
+        raise ValueError(
+            f"{qw.scheme}: the weight [{qw.out_features}, {qw.in_features}] holds NaN or "
+            "infinite values, which cannot be quantized; is the checkpoint damaged?"
+        )
+    return qw
 
 
 QUANTIZE_CHUNK = 1 << 18  # elements of the weight quantized at a time (1 MiB as float32)
 
 
 def _kernel_quantizes(weight: Tensor, scheme: str, group_size: int) -> bool:
-    """Whether `quantize_weight` takes this weight: bf16 on the CPU, K a multiple of 16 (int8)
+    """Whether `quantize_weight` takes this weight: bf16 on the CPU, K a multiple of 16 (int8, fp8)
     with int4 groups of a multiple of 32 dividing it (the only groups formats' layout takes)."""
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
         return False
     k = weight.shape[1]
-    if scheme in ("int8_w8a16", "int8_w8a8"):
+    if scheme in ("int8_w8a16", "int8_w8a8", "fp8_w8a16"):
         return k % 16 == 0
     return (
         scheme in INT4_SCHEMES
@@ -307,11 +318,12 @@ def _quantize_compiled(
     n, k = weight.shape
     empty = empty or torch.empty
     w = weight.detach().contiguous()
-    if scheme in ("int8_w8a16", "int8_w8a8"):
-        q = empty((n, k), dtype=torch.int8, device=w.device)
+    if scheme not in INT4_SCHEMES:  # per channel: int8 (kernel kind 1), fp8 (3)
+        fp8 = scheme == "fp8_w8a16"
+        q = empty((n, k), dtype=torch.uint8 if fp8 else torch.int8, device=w.device)
         scale = empty((n,), dtype=torch.float32, device=w.device)
         wsum = torch.empty(n, dtype=torch.int32) if scheme == "int8_w8a8" else None
-        kernel(w, 1, 0, q, scale, None, wsum)
+        kernel(w, 3 if fp8 else 1, 0, q, scale, None, wsum)
         return QuantWeights(scheme, q, scale, None, wsum, 0, n, k)
     groups = (n, k // group_size)
     packed = empty((n, k // 2), dtype=torch.uint8, device=w.device)
@@ -337,7 +349,8 @@ def _quantize_rows(weight: Tensor, scheme: str, group_size: int, symmetric: bool
 
 
 def _amax_scale(amax: Tensor, qmax: float) -> Tensor:
-    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # 1 for a zero row; a NaN amax stays NaN (`_finite` refuses it)
+    return torch.where(amax == 0, torch.ones_like(amax), amax / qmax)
 
 
 def _quantize_int4(w: Tensor, group_size: int, symmetric: bool, scheme: str) -> QuantWeights:
@@ -352,7 +365,7 @@ def _quantize_int4(w: Tensor, group_size: int, symmetric: bool, scheme: str) -> 
     else:
         lo = groups.amin(dim=-1).clamp(max=0)
         hi = groups.amax(dim=-1).clamp(min=0)
-        scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(hi))
+        scale = torch.where(hi == lo, torch.ones_like(hi), (hi - lo) / 15)
         zero = torch.round(-lo / scale).clamp_(0, 15)
         q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp_(0, 15)
     return from_int4_values(q.reshape(n, k).to(torch.uint8), scale, zero, group_size, scheme)
