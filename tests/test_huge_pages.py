@@ -93,3 +93,23 @@ def test_quantized_layers_install_their_weights_from_the_arena():
     assert layer.weight.data_ptr() == placed.weight.data_ptr()  # the layer holds the copy
     x = torch.randn(3, 256)
     assert torch.equal(formats.reference_linear(x, placed), formats.reference_linear(x, qw))
+
+
+@needs_thp
+def test_full_precision_weights_fill_huge_pages_but_not_past_their_end(monkeypatch):
+    """own_mapping_empty (a linear weight as the checkpoint fills it): whole 2 MiB pages of
+    it are huge pages; its partial last one is not (it would fault in memory past the end);
+    small weights and MINIVLLM_HUGE_PAGES=0 keep small pages."""
+    from minivllm.utils.memory import own_mapping_empty
+
+    t = own_mapping_empty((5 << 20,), torch.uint8)  # 2.5 huge pages
+    t.fill_(1)
+    assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    assert 2 << 10 <= huge_kib(t) <= 4 << 10  # the two whole pages (where THP gives them), no third
+    small = own_mapping_empty((1 << 20,), torch.uint8)
+    small.fill_(1)
+    assert huge_kib(small) == 0
+    monkeypatch.setenv(huge_pages.HUGE_PAGES_ENV, "0")
+    off = own_mapping_empty((4 << 20,), torch.uint8)
+    off.fill_(1)
+    assert huge_kib(off) == 0

@@ -10,9 +10,13 @@ anonymous mappings advised MADV_HUGEPAGE, filled one tensor after another.
 
 Measured on a 2-vCPU AMD EPYC (Zen 4), the same data on either kind of page, in one
 process (docs/performance.md, item 21): the int4 row kernel over the model's four linear
-shapes 1.08x, bf16's GEMV 1.02x. bf16 weights stay where the checkpoint loader put them:
-moving 1.2 GB cost 1.2-2.7 s of start-up (MADV_COLLAPSE, or faulting huge pages in
-during the load) for those 2%. The KV cache stays on small pages too: its first write
+shapes 1.08x, bf16's GEMV 1.02x. Moving bf16 weights there after the load cost 1.2-2.7 s
+of start-up (MADV_COLLAPSE, or a second copy) for those 2%; since session 6 of 2026-12-05
+the loader fills every linear weight on a huge-page mapping of its own from the start
+(`utils/memory.own_mapping_empty`, `mapping` below), which made the load itself faster:
+the checkpoint's copy into 2 MiB pages takes 512 times fewer page faults (the Qwen3-4B
+shape's load, bf16 7.1-10.1 -> 5.7-6.3 s, int8 7.3-9.3 -> 5.7-6.6 s, alternated runs on
+the Zen 4 VM). The KV cache stays on small pages: its first write
 to each 2 MiB would zero the whole page, and a request touches one in every KV head of
 every layer (~2.5 s on the first request at this shape).
 
@@ -44,6 +48,19 @@ def enabled() -> bool:
     )
 
 
+def mapping(nbytes: int) -> torch.Tensor:
+    """A uint8 tensor of `nbytes` on an anonymous mapping of its own, starting on a 2 MiB
+    boundary (2 MiB more are mapped for that; pages never touched cost nothing), its whole
+    2 MiB pages advised MADV_HUGEPAGE; a partial last one stays on small pages (a huge page
+    there would fault in up to 2 MiB past the tensor). Unmapped when the last view goes."""
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` mapped
+    start = -whole.data_ptr() % HUGE_PAGE_BYTES  # the first 2 MiB boundary
+    if nbytes >= HUGE_PAGE_BYTES:
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
+    return whole[start : start + nbytes]
+
+
 class HugePageArena:
     """Copies of tensors packed into huge-page-advised chunks; a chunk is unmapped when
     the last tensor in it is gone. Tensors over a chunk get a mapping of their own."""
@@ -56,14 +73,6 @@ class HugePageArena:
         self.seconds = 0.0  # spent mapping and copying
         # the tensors `empty` gave out, by id: `copy` leaves them where they are
         self._given: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-    def _map(self, nbytes: int) -> torch.Tensor:
-        size = -(-(nbytes + HUGE_PAGE_BYTES) // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
-        whole = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` mapped
-        start = -whole.data_ptr() % HUGE_PAGE_BYTES  # the first 2 MiB boundary
-        return whole[start : start + size - HUGE_PAGE_BYTES]
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor`'s copy in the arena (contiguous), or `tensor` itself where huge pages
@@ -94,11 +103,11 @@ class HugePageArena:
     def _room(self, shape, dtype: torch.dtype) -> torch.Tensor:
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         if nbytes > self.chunk_bytes:
-            room = self._map(nbytes)
+            room = mapping(nbytes)
         else:
             offset = -(-self._used // ALIGN) * ALIGN
             if self._chunk is None or offset + nbytes > self._chunk.numel():
-                self._chunk, offset = self._map(self.chunk_bytes), 0
+                self._chunk, offset = mapping(self.chunk_bytes), 0
             room = self._chunk[offset:]
             self._used = offset + nbytes
         self.bytes_placed += nbytes

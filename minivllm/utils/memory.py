@@ -82,12 +82,19 @@ def own_mapping_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     mapping of its own, unmapped as soon as the last reference to it goes: memory held only
     for a while (a full-precision weight until it is quantized or repacked) that must go
     back to the kernel, not to the heap (`keep_freed_host_memory` keeps what the heap
-    frees). Elsewhere `torch.empty`."""
+    frees). From 2 MiB it is a huge-page mapping (utils/huge_pages.mapping, unless
+    MINIVLLM_HUGE_PAGES=0): the checkpoint's copy into it faults 2 MiB pages in instead of
+    4 KiB ones, a quarter to a third off a 4B load here. Elsewhere `torch.empty`."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     cpu = torch.get_default_device().type == "cpu"
     if not cpu or not sys.platform.startswith("linux") or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     import mmap
+
+    from minivllm.utils import huge_pages
+
+    if nbytes >= huge_pages.HUGE_PAGE_BYTES and huge_pages.enabled():
+        return huge_pages.mapping(nbytes)[:nbytes].view(dtype).view(shape)
 
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(region, dtype=dtype).view(shape)  # keeps `region` mapped
