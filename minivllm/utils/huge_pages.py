@@ -13,10 +13,11 @@ process (docs/performance.md, item 21): the int4 row kernel over the model's fou
 shapes 1.08x, bf16's GEMV 1.02x. Moving bf16 weights there after the load cost 1.2-2.7 s
 of start-up (MADV_COLLAPSE, or a second copy) for those 2%; since session 6 of 2026-12-05
 the loader fills every linear weight on a huge-page mapping of its own from the start
-(`utils/memory.own_mapping_empty`, `mapping` below), which made the load itself faster:
-the checkpoint's copy into 2 MiB pages takes 512 times fewer page faults (the Qwen3-4B
-shape's load, bf16 7.1-10.1 -> 5.7-6.3 s, int8 7.3-9.3 -> 5.7-6.6 s, alternated runs on
-the Zen 4 VM). The KV cache stays on small pages: its first write
+(`utils/memory.own_mapping_empty`, `mapping` below), which made the load no slower and often
+faster: the checkpoint's copy into 2 MiB pages takes 512 times fewer page faults (the
+Qwen3-4B shape's load, alternated runs on the Zen 4 VM: bf16 7.1-10.1 -> 5.7-6.3 s, int8
+7.3-9.3 -> 5.7-6.6 s with memory free; level, int8 7.8-9.1 -> 7.8-8.4 s, once the page
+cache held 19 of 24 GB and huge pages had to be reclaimed first). The KV cache stays on small pages: its first write
 to each 2 MiB would zero the whole page, and a request touches one in every KV head of
 every layer (~2.5 s on the first request at this shape).
 
