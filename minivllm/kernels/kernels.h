@@ -135,6 +135,8 @@ float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
 // groups of a multiple of 16 k), 3 fp8_w8a16 (per channel); a NaN's row or group: NaN scale.
 void quantize_weight(torch::Tensor w, int64_t kind, int64_t group_size, torch::Tensor q, torch::Tensor scale,
                      c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> wsum);
+// packing.pack_vnni_w8a8 into `out` [ceil(N / 32), K / 4, 32, 4] (quantize_weight.cpp).
+void pack_vnni_w8a8(torch::Tensor q, torch::Tensor out);
 // parallel_for's grain for quantizing rows of x: they split once a batch holds more than
 // ~8K values, where a thread's share pays for starting it. A decode batch's 16 rows of 1024 had gone to one
 // thread (~0.8 ms of a 57 ms int8_w8a8 step on a 2-core Zen 4, the other thread waiting).

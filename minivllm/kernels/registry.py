@@ -76,6 +76,7 @@ register_family(
             "quant_linear",
             "quantize_per_token_int8",
             "quantize_weight",
+            "pack_vnni_w8a8",
             "dequantize_bf16",
             "dequantized_linear",
             "amx_w8a8_available",

@@ -60,13 +60,16 @@ def prepack(
     layout: str,
     mapped: Tensor | None = None,
     empty: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
+    vnni_kernel: Callable[[Tensor, Tensor], None] | None = None,
 ) -> None:
     """Fill `qw.packed` in `layout` (`packed_shape`'s): with `mapped` where it is a copy of
     that shape and dtype (the weight cache's, packed by the daemon from the same weights:
     the cache key matched), else packed here into `empty(shape, dtype)` (default
     `torch.empty`; the huge-page arena's where the copy lives there), `PACK_CHUNK` bytes of
     rows at a time so that the packing's temporaries stay small whatever the layer (an LM
-    head's are hundreds of MB)."""
+    head's are hundreds of MB). `vnni_kernel`: the compiled `pack_vnni_w8a8`, which fills
+    the "vnni" layout in one pass with no temporaries (tests/test_quantize_weight.py checks
+    it equal)."""
     if fits(mapped, qw, layout):
         qw.packed = mapped
         return
@@ -98,6 +101,10 @@ def prepack(
         if empty is not None
         else torch.empty(shape, dtype=dtype, device=qw.weight.device)
     )
+    if layout == "vnni" and vnni_kernel is not None and qw.weight.device.type == "cpu":
+        vnni_kernel(qw.weight.contiguous(), out)
+        qw.packed = out
+        return
     n = qw.out_features
     rows = max(1, PACK_CHUNK // max(qw.weight.nbytes // max(n, 1), 1) // panel) * panel
     for start in range(0, n, rows):
