@@ -4,7 +4,7 @@ a layer's total in ms, weights cycled past the caches (`--copies`), one process.
 
     python benchmarks/dequantized_linear.py --rows 8 16 32 64
 
-  quant_linear   groups scaled in registers (the kernel up to formats.max_kernel_rows)
+  quant_linear   groups scaled in registers (the kernel up to kernel_limits.max_kernel_rows)
   dequantized    dequantized_linear: blocks of rows dequantized into a scratch
   dequant+gemm   dequantize_bf16 into a full copy, then oneDNN's bf16 GEMM
   bf16 gemv      the same shapes unquantized, on our GEMV (the engine's kernel to 16 rows)

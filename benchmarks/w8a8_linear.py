@@ -3,7 +3,7 @@
 Columns: bf16 (oneDNN on its prepacked weight, what a bf16 engine runs past a few rows);
 the VNNI kernel (decode rows, quant_w8a8.cpp); our VNNI GEMM on its packed panels (CPUs
 without AMX); our AMX kernel (where the CPU has AMX-INT8). Where each path is fastest sets
-formats.W8A8_AMX_MAX_KERNEL_ROWS and W8A8_VNNI_MAX_KERNEL_ROWS. (oneDNN's own int8 GEMM,
+kernel_limits.W8A8_AMX_MAX_KERNEL_ROWS and W8A8_VNNI_MAX_KERNEL_ROWS. (oneDNN's own int8 GEMM,
 once a column here, lost to both of ours and left the engine.)
 
     python benchmarks/w8a8_linear.py                 # rows 4 8 16 64 512
@@ -20,7 +20,7 @@ import torch
 from minivllm.kernels import get_cpu_kernels
 from minivllm.kernels.isa import cpu_model, isa_summary
 from minivllm.layers.cpu_linear import PACK_BATCH_HINT
-from minivllm.quantization import formats, packing
+from minivllm.quantization import formats, kernel_limits, packing
 
 SHAPES = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]  # qkv, o, gate_up, down
 COLUMNS = ("bf16 oneDNN", "VNNI rows", "VNNI GEMM", "AMX")
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ops = get_cpu_kernels()
-    if ops is None or not formats.kernel_supports("int8_w8a8"):
+    if ops is None or not kernel_limits.kernel_supports("int8_w8a8"):
         raise SystemExit("this machine has no AVX512-VNNI (or no AVX512-BF16 kernels)")
     amx = ops.amx_w8a8_available()
     print(f"{cpu_model()} [{isa_summary()}], {args.threads} threads; median ms per call")

@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from minivllm.kernels import get_cpu_kernels
-from minivllm.quantization import formats
-from minivllm.quantization.formats import dequantize, kernel_supports, quantize
+from minivllm.quantization import formats, kernel_limits
+from minivllm.quantization.formats import dequantize, quantize
+from minivllm.quantization.kernel_limits import kernel_supports
 from tests.test_quant_kernels import _block_fp8
 
 needs_bf16 = pytest.mark.skipif(not kernel_supports("int8_w8a16"), reason="CPU lacks AVX512-BF16")
@@ -129,7 +130,7 @@ def test_dequantized_linear_rejects_malformed_inputs():
 @needs_bf16
 def test_int4_batches_between_the_kernels_rows_and_the_gemm_run_it(make_checkpoint):
     """In an int4 engine, batches past quant_linear's rows and up to
-    formats.max_dequantized_rows run dequantized_linear (its output bit for bit), past
+    kernel_limits.max_dequantized_rows run dequantized_linear (its output bit for bit), past
     them dequantize + oneDNN's GEMM (its output bit for bit); both within the bound of
     the rounded weights' product."""
     from tests.test_quantization import SMALL_GROUPS, _engine
@@ -142,7 +143,7 @@ def test_int4_batches_between_the_kernels_rows_and_the_gemm_run_it(make_checkpoi
     )
     layer = llm.llm_engine.executor.runner.model.get_submodule("model.layers.0.mlp.down_proj")
     method, qw = layer.quant_method, layer.quant_method.quant_weights
-    assert method.kernel_rows < method.dequantized_rows == formats.max_dequantized_rows(qw)
+    assert method.kernel_rows < method.dequantized_rows == kernel_limits.max_dequantized_rows(qw)
     kernels, gen = get_cpu_kernels(), torch.Generator().manual_seed(0)
     for rows in (method.kernel_rows + 1, method.dequantized_rows, method.dequantized_rows + 1):
         x = torch.randn(rows, qw.in_features, generator=gen).bfloat16()

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from minivllm import LLM, SamplingParams
-from minivllm.quantization.formats import kernel_supports
+from minivllm.quantization.kernel_limits import kernel_supports
 from tests.conftest import (
     QUANTIZED_FP32_TOL,
     assert_logprobs_match,

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import LLM, SamplingParams
-from minivllm.quantization.formats import kernel_supports
+from minivllm.quantization.kernel_limits import kernel_supports
 from tests.conftest import QUANTIZED_FP32_TOL, assert_logprobs_match
 from tests.test_deepseek_v32 import build_dsa_checkpoint
 from tests.test_moe_quantization import (

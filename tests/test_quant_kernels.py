@@ -37,15 +37,17 @@ from minivllm.quantization.formats import (
     from_fp8_values,
     from_int4_values,
     from_int8_values,
-    kernel_supports,
-    kernel_supports_shape,
-    max_dequantized_rows,
-    max_kernel_rows,
     pack_int4,
     quantize,
     quantize_per_token,
     reference_linear,
     unpack_int4,
+)
+from minivllm.quantization.kernel_limits import (
+    kernel_supports,
+    kernel_supports_shape,
+    max_dequantized_rows,
+    max_kernel_rows,
 )
 from minivllm.quantization.packing import pack_vnni_w8a8, prepack_w4a8, prepack_w8a8
 
@@ -367,8 +369,8 @@ def test_schemes_and_kinds_agree():
 
 class _KernelQuantMethod(LinearMethodBase):
     """A stand-in for a quantized linear method: a bf16 layer's weight, quantized, applied
-    with the kernels (past formats.max_kernel_rows a GEMM on int8_w8a8's packed copy,
-    dequantized_linear up to formats.max_dequantized_rows, then a GEMM on the dequantized
+    with the kernels (past max_kernel_rows a GEMM on int8_w8a8's packed copy,
+    dequantized_linear up to max_dequantized_rows, then a GEMM on the dequantized
     weight)."""
 
     def __init__(self, weights: QuantWeights) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels.isa import cpu_flags
-from minivllm.quantization import formats, packing
+from minivllm.quantization import formats, kernel_limits, packing
 from tests.conftest import (
     QUANTIZED_FP32_TOL,
     assert_logprobs_match,
@@ -355,8 +355,8 @@ def test_int4_w4a8_in_a_bf16_engine_runs_its_vnni_gemm_on_panels(
     # quant_linear, which has no int4_w4a8 kind
     import minivllm.kernels
 
-    no_vnni = formats.kernel_supports
-    monkeypatch.setattr(formats, "kernel_supports", lambda s: s != "int4_w4a8" and no_vnni(s))
+    no_vnni = kernel_limits.kernel_supports
+    monkeypatch.setattr(kernel_limits, "kernel_supports", lambda s: s != "int4_w4a8" and no_vnni(s))
     expert = QuantizedLinearMethod(SchemeSpec("int4_w4a8", 32))
     expert.use(formats.quantize(torch.randn(40, 64), "int4_w4a8", 32), method_kernels(llm))
     assert expert.fp32_op is not None and expert.packed_op is None
@@ -384,7 +384,7 @@ def test_rowless_int8_w8a8_takes_empty_batches_and_repacks_mapped_panels(
     llm = _engine(make_checkpoint("Qwen3ForCausalLM"), dtype="bfloat16", quantization="int8_w8a8")
     method = _layers(llm)["model.layers.0.mlp.down_proj"]
     qw = method.quant_weights
-    if formats.packed_layout(qw.packed) == "amx":
+    if kernel_limits.packed_layout(qw.packed) == "amx":
         pytest.skip("with AMX the row kernel serves small batches: int8_w8a8 keeps its rows")
     assert not qw.has_rows
     empty = method.apply(None, torch.empty(0, qw.in_features, dtype=torch.bfloat16), None)

@@ -69,7 +69,9 @@ def test_per_channel_schemes_match_the_torch_ops(scheme, n, k) -> None:
 
 
 @pytest.mark.parametrize(("scheme", "symmetric"), INT4)
-@pytest.mark.parametrize(("n", "k", "group"), [(1, 32, 32), (9, 96, 32), (64, 1024, 128), (130, 2560, 64)])
+@pytest.mark.parametrize(
+    ("n", "k", "group"), [(1, 32, 32), (9, 96, 32), (64, 1024, 128), (130, 2560, 64)]
+)
 def test_int4_matches_the_torch_ops(scheme, symmetric, n, k, group) -> None:
     qmax = 7 if symmetric else 15
     for w in (_weights(n, k, n * k), _ties(n, k, qmax)):
@@ -103,8 +105,9 @@ def test_the_kernel_path_is_taken_and_fills_the_given_tensors() -> None:
     assert calls == [2]
 
 
-@pytest.mark.parametrize(("scheme", "symmetric"), [("int8_w8a16", True), ("int8_w8a8", True),
-                                                   ("fp8_w8a16", True), *INT4])
+@pytest.mark.parametrize(
+    ("scheme", "symmetric"), [("int8_w8a16", True), ("int8_w8a8", True), ("fp8_w8a16", True), *INT4]
+)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("compiled", [True, False])
 def test_nan_or_infinite_weights_are_refused(scheme, symmetric, bad, compiled) -> None:
@@ -126,8 +129,14 @@ def test_an_engine_quantizes_with_the_kernel(qwen3_dir, monkeypatch) -> None:
         return quantize(*args, **kwargs)
 
     monkeypatch.setattr(formats, "quantize", recording)
-    LLM(str(qwen3_dir), dtype="bfloat16", quantization="int4", kv_cache_memory_bytes=4 << 20,
-        max_model_len=64, quantization_config={"group_size": 32})
+    LLM(
+        str(qwen3_dir),
+        dtype="bfloat16",
+        quantization="int4",
+        kv_cache_memory_bytes=4 << 20,
+        max_model_len=64,
+        quantization_config={"group_size": 32},
+    )
     assert seen and all(k is not None for k in seen)
 
 
@@ -135,7 +144,9 @@ def test_an_engine_quantizes_with_the_kernel(qwen3_dir, monkeypatch) -> None:
 def test_the_compiled_vnni_packing_matches_the_torch_one(n, k) -> None:
     from minivllm.quantization import packing
 
-    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+    q = torch.randint(
+        -128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n)
+    )
     qw = formats.from_int8_values(q, torch.rand(n) + 0.1, "int8_w8a8")
     packing.prepack(qw, "vnni", vnni_kernel=kernels.pack_vnni_w8a8)
     assert torch.equal(qw.packed, packing.pack_vnni_w8a8(q))

@@ -318,7 +318,7 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
     on the daemon's copies, not on copies of its own."""
     from safetensors import safe_open
 
-    from minivllm.quantization import formats
+    from minivllm.quantization import formats, kernel_limits
 
     config = {
         "targets": {
@@ -358,7 +358,7 @@ def test_quantized_model_maps_its_quantized_tensors(start_daemon: Any, bf16_dir:
         assert "memfd:minivllm-weights" in mapping_of(qw.packed.data_ptr())[1]
         assert torch.equal(qw.packed, disk_packed[name])  # what the disk engine packed
         # on VNNI panels (int4_w4a8's; int8_w8a8's without AMX) no row copy, held or mapped
-        amx = qw.scheme == "int8_w8a8" and formats.packed_layout(qw.packed) == "amx"
+        amx = qw.scheme == "int8_w8a8" and kernel_limits.packed_layout(qw.packed) == "amx"
         assert qw.has_rows == amx
         assert module.weight.shape == qw.weight.shape
     # an engine on the reference backend maps the same daemon and leaves the copies unused

@@ -78,9 +78,9 @@ struct Linear {
 // The weight-streaming kernels up to their row limits; past them a GEMM: oneDNN's on bf16's
 // packed copy, ours on int8_w8a8's and int4_w4a8's (whose limit is 0: every batch), and
 // for the weight-only schemes, as QuantizedLinearMethod.apply does, dequantized_linear up
-// to formats.max_dequantized_rows
+// to kernel_limits.max_dequantized_rows
 // (int4, block-scaled fp8), then oneDNN's on the weight dequantized to bf16.
-// max_quant_rows[kind]: formats.max_kernel_rows, block-scaled fp8's (kind 3 with a 2-D
+// max_quant_rows[kind]: kernel_limits.max_kernel_rows, block-scaled fp8's (kind 3 with a 2-D
 // scale) at index FP8_BLOCKS_ROWS; then the two dequantized_linear limits.
 // layers/fused_decode.py's indices, past the kinds:
 constexpr int64_t FP8_BLOCKS_ROWS = 6, INT4_DEQUANTIZED_ROWS = 7, FP8_BLOCKS_DEQUANTIZED_ROWS = 8;

@@ -37,7 +37,7 @@ c10::optional<torch::Tensor> rows_of(const c10::optional<torch::Tensor>& t, int6
 // the stacked gate/up rows [E * 2I, ...] with their scale (int4: [E * 2I, groups], and
 // zero points or none), wsum (int8_w8a8's row sums, else none); w2 likewise for the down
 // rows [E * H, ...]. kind and group_size: quant_linear's. An expert's product of up to
-// max_kernel_rows tokens runs quant_linear (formats.max_kernel_rows); past them int8_w8a8
+// max_kernel_rows tokens runs quant_linear (kernel_limits.max_kernel_rows); past them int8_w8a8
 // runs w8a8_packed_linear on that expert's prepacked copy (packed13[e], packed2[e]; empty
 // lists for the weight-only schemes, whose dequantize-and-GEMM path stays with the loop).
 // int4_w4a8 (kind 5, which quant_linear has not) runs every product on its expert's panels

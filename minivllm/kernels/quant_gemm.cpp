@@ -10,8 +10,8 @@
 //    fetched into L2.
 //  - M > 4: a block is decoded once into a bf16 scratch (L1/L2) and multiplied with x in
 //    tiles of MR rows by vdpbf16ps, so decoding is paid once per weight, not per tile.
-// Past formats.max_kernel_rows the caller hands int4 and block-scaled fp8 up to
-// formats.max_dequantized_rows to dequantized_linear (below: blocks of rows dequantized,
+// Past kernel_limits.max_kernel_rows the caller hands int4 and block-scaled fp8 up to
+// kernel_limits.max_dequantized_rows to dequantized_linear (below: blocks of rows dequantized,
 // scaled, into the scratch and multiplied the same way), and larger batches to
 // dequantize_bf16 and oneDNN's GEMM.
 // Measured on a 2-core Xeon (Sapphire Rapids class, AMX): at M = 1 the kernels are
@@ -402,7 +402,7 @@ constexpr int kDqRows = 4, kDqBlock = 6, kDqAhead = 2 * kDqBlock;
 // with every row of x in gemv_bf16's tiles, so the weight streams from memory once, at
 // its quantized size, and is never written out. Past quant_linear's rows (whose grouped
 // tiles scale each group's sums in registers, slower from ~8 rows) and up to the rows
-// where oneDNN's GEMM on the dequantized copy wins (formats.MAX_DEQUANTIZED_ROWS). The
+// where oneDNN's GEMM on the dequantized copy wins (kernel_limits.MAX_DEQUANTIZED_ROWS). The
 // numbers are that path's but for the order of the float32 sums.
 torch::Tensor dequantized_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
                                  c10::optional<torch::Tensor> zero, int64_t group_size,

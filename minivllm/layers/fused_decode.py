@@ -37,13 +37,11 @@ from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import LinearBase
 from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.layers.rotary import RotaryEmbedding
-from minivllm.quantization.formats import (
-    KERNEL_KIND,
-    KIND_INT8_W8A8,
+from minivllm.quantization.formats import KERNEL_KIND, KIND_INT8_W8A8, QuantWeights
+from minivllm.quantization.kernel_limits import (
     MAX_DEQUANTIZED_ROWS,
     MAX_STREAMING_ROWS,
     MAX_STREAMING_ROWS_FP8_BLOCKS,
-    QuantWeights,
     kernel_supports,
     kernel_supports_shape,
     packed_layout,
@@ -147,7 +145,7 @@ def _why_not_kernel_linear(linear: LinearBase) -> str | None:
 
 
 # decode_layers.cpp's index of block-scaled fp8's row limit, after one per quant kind, then
-# those of int4's and block-scaled fp8's dequantized_linear (formats.MAX_DEQUANTIZED_ROWS)
+# those of int4's and block-scaled fp8's dequantized_linear (kernel_limits.MAX_DEQUANTIZED_ROWS)
 FP8_BLOCKS_ROWS = max(KERNEL_KIND.values()) + 1
 INT4_DEQUANTIZED_ROWS, FP8_BLOCKS_DEQUANTIZED_ROWS = FP8_BLOCKS_ROWS + 1, FP8_BLOCKS_ROWS + 2
 
@@ -262,7 +260,7 @@ class FusedLlamaDecode(_DecodeStep):
         self.packed: list[torch.Tensor] = []
         self.quant_kinds: list[int] = []
         self.quant: list[torch.Tensor] = []
-        # per quant kind (index): rows up to which quant_linear runs it (formats.max_kernel_rows);
+        # per quant kind (index): rows up to which quant_linear runs it (kernel_limits.max_kernel_rows);
         # int8_w8a8's is set by its packed copies, all alike on a machine (none: every row)
         # (then, at FP8_BLOCKS_ROWS, block-scaled fp8's, which streams fewer rows than
         # per-channel fp8: the step reads it for a kind-3 layer whose scale is 2-D; then
@@ -274,7 +272,7 @@ class FusedLlamaDecode(_DecodeStep):
         self.max_quant_rows[FP8_BLOCKS_ROWS] = MAX_STREAMING_ROWS_FP8_BLOCKS
         self.max_quant_rows[INT4_DEQUANTIZED_ROWS] = MAX_DEQUANTIZED_ROWS["int4_w4a16"]
         self.max_quant_rows[FP8_BLOCKS_DEQUANTIZED_ROWS] = MAX_DEQUANTIZED_ROWS["fp8_blocks"]
-        self._w8a8_layout: str | None = None  # the int8_w8a8 copies' (formats.packed_layout)
+        self._w8a8_layout: str | None = None  # the int8_w8a8 copies' (kernel_limits.packed_layout)
         for layer in parts.layers:
             for linear in layer.linears:
                 self._add_linear(linear, none)

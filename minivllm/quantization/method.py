@@ -41,7 +41,7 @@ from minivllm.layers.linear_method import (
     WeightLoader,
     create_full_precision_weight,
 )
-from minivllm.quantization import formats, packing
+from minivllm.quantization import formats, kernel_limits, packing
 from minivllm.quantization.config import SchemeSpec
 from minivllm.utils import huge_pages
 
@@ -66,8 +66,8 @@ class QuantizedLinearMethod(LinearMethodBase):
         # our GEMM on the prepacked copy: int8_w8a8's past a few rows, int4_w4a8's always
         self.packed_op = None
         self.dequantize_op = None  # the compiled dequantize_bf16, with `op`
-        self.kernel_rows = 0  # rows for quant_linear; past them formats.max_kernel_rows says
-        self.dequantized_rows = 0  # then dequantized_linear's (formats.max_dequantized_rows)
+        self.kernel_rows = 0  # rows for quant_linear; past them kernel_limits.max_kernel_rows says
+        self.dequantized_rows = 0  # then dequantized_linear's (kernel_limits.max_dequantized_rows)
         self.dequantized_op = None  # the compiled dequantized_linear, with `op`
         self.kernel_op = None  # the compiled quant_linear the engine offered, used or not
         self.backend = "torch"
@@ -175,7 +175,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             # the panels serve every call (int8_w8a8's too on VNNI without AMX): no row
             # copy beside them
             every_call = layout == "w4a8" or (
-                layout == "vnni" and formats.W8A8_VNNI_MAX_KERNEL_ROWS == 0
+                layout == "vnni" and kernel_limits.W8A8_VNNI_MAX_KERNEL_ROWS == 0
             )
             # int4_w4a8's panels, streamed at every decode step, are packed on huge pages
             # (~1.08x, docs/performance.md item 21). int8_w8a8's stay on small pages: on
@@ -190,8 +190,8 @@ class QuantizedLinearMethod(LinearMethodBase):
             self.packed_op = kernels.op(
                 "int4_w4a8_packed_linear" if layout == "w4a8" else "w8a8_packed_linear"
             )
-        self.kernel_rows = formats.max_kernel_rows(qw)
-        self.dequantized_rows = formats.max_dequantized_rows(qw)
+        self.kernel_rows = kernel_limits.max_kernel_rows(qw)
+        self.dequantized_rows = kernel_limits.max_dequantized_rows(qw)
         self.quant_weights = qw
 
     def packed_layout(self, qw: formats.QuantWeights, kernels: Kernels) -> str | None:
@@ -237,13 +237,13 @@ class QuantizedLinearMethod(LinearMethodBase):
         borrow = (
             qw.scheme == "int4_w4a8"
             and not (
-                formats.kernel_supports(qw.scheme)
-                and formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
+                kernel_limits.kernel_supports(qw.scheme)
+                and kernel_limits.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
             )
         ) or (
             qw.scheme == "fp8_w8a16"
             and qw.group_size > 0
-            and not formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
+            and not kernel_limits.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
         )
         if fp32_op is None and borrow and cpu:
             # no bf16 kernel for it here (int4_w4a8 without AVX512-VNNI; fp8 blocks of
@@ -263,8 +263,8 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.kernel_op = op
         usable = (
             op is not None
-            and formats.kernel_supports(qw.scheme)
-            and formats.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
+            and kernel_limits.kernel_supports(qw.scheme)
+            and kernel_limits.kernel_supports_shape(qw.scheme, qw.in_features, qw.group_size)
         )
         wanted = self.requested_backend
         if wanted == "cpu_kernel" and not usable:
@@ -410,7 +410,7 @@ def _why_not(op: object, qw: formats.QuantWeights) -> str:
             "the engine has no compiled kernels for its dtype here (kernels off; a CPU "
             "without AVX2 + FMA for float32, without AVX512-BF16 for bfloat16)"
         )
-    if not formats.kernel_supports(qw.scheme):
+    if not kernel_limits.kernel_supports(qw.scheme):
         return "this CPU lacks the instructions it needs (int8_w8a8, int4_w4a8: AVX512-VNNI)"
     return (
         f"the layer's shape (input {qw.in_features}, group {qw.group_size}) is not one the "

@@ -33,7 +33,7 @@ from torch import nn
 
 from minivllm.kernels.registry import Kernels
 from minivllm.layers.moe import routed_experts
-from minivllm.quantization import formats
+from minivllm.quantization import formats, kernel_limits
 from minivllm.quantization.config import SchemeSpec
 from minivllm.quantization.method import QuantizedLinearMethod, processed_shapes
 from minivllm.utils import huge_pages
@@ -207,7 +207,7 @@ class QuantizedMoEMethod:
         # the loop computes what the one call does (int4: exact products up to 8 rows);
         # where there is no one call (a part without the bf16 kernel) each keeps its own
         # (a rowless part's is 0: its panels take every batch)
-        self.kernel_rows = formats.moe_one_call_rows(first.quant_weights)
+        self.kernel_rows = kernel_limits.moe_one_call_rows(first.quant_weights)
         for part in PARTS if bf16 else ():
             for method in self.experts[part]:
                 if self.kernel_rows and not method.quant_weights.has_rows:

@@ -4,7 +4,7 @@
 streams and `reference_linear` defines); the GEMMs for batches read a second layout,
 filled into `qw.packed` here: int8_w8a8's AMX blocks (`pack_amx_w8a8`, amx_w8a8.cpp) or
 VNNI panels (`pack_vnni_w8a8`, quant_w8a8.cpp), and int4_w4a8's VNNI panels
-(`pack_vnni_w4a8`, int4_w4a8.cpp). `formats.packed_layout` tells the two int8 ones apart.
+(`pack_vnni_w4a8`, int4_w4a8.cpp). `kernel_limits.packed_layout` tells the two int8 ones apart.
 Where VNNI panels serve every call the row copy is dropped (`drop_rows`) and rebuilt from
 the panels only for an engine that reads rows (`with_rows`); the layers hold the copies
 as buffers, so the weight cache serves them as they are (`prepack`'s `mapped`).

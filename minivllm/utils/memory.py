@@ -95,7 +95,7 @@ def own_mapping_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     from minivllm.utils import huge_pages
 
     if nbytes >= huge_pages.HUGE_PAGE_BYTES and huge_pages.enabled():
-        return huge_pages.mapping(nbytes)[:nbytes].view(dtype).view(shape)
+        return huge_pages.mapping(nbytes).view(dtype).view(shape)
 
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     return torch.frombuffer(region, dtype=dtype).view(shape)  # keeps `region` mapped
