@@ -384,8 +384,16 @@ def test_calculate_kv_scales(make_checkpoint, tmp_path_factory, one_token_first)
     (ks, vs), (k_top, v_top) = scales[0], _first_batch_amax(hf, first)[0]
     assert torch.allclose(ks, torch.tensor(k_top / 200), rtol=1e-5), (ks, k_top)
     assert torch.allclose(vs, torch.tensor(v_top / 100), rtol=1e-5), (vs, v_top)
+    # The bound is looser than the checkpoint-scale tests': the first step's later layers
+    # see keys and values from our batched GEMMs, transformers' from one prompt at a time,
+    # and a last-bit difference there can tip one fp8 rounding (an eighth of that element)
+    # that every later token reads: on an Intel Xeon (AVX512-FP16, AMX) one key of layer
+    # 1 tipped and moved the logprobs by up to 3.4e-3. Unscaled fp8 is ~1 away.
     assert_closer_to_oracle(
-        outs, lambda ids: _hf_logprobs(hf, ids, scales), lambda ids: _hf_logprobs(hf, ids, None)
+        outs,
+        lambda ids: _hf_logprobs(hf, ids, scales),
+        lambda ids: _hf_logprobs(hf, ids, None),
+        bound=2e-2,
     )
     with pytest.raises(ValueError, match="calculate_kv_scales scales an fp8 KV cache"):
         _llm(plain, calculate_kv_scales=True)
