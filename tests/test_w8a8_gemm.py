@@ -81,7 +81,7 @@ def test_w8a8_gemms_on_packed_copies_match_the_reference(layout, rows, n, k):
     signed tiles), the per-token and per-channel scales and the bias applied as each tile
     leaves the registers. Partial tiles of rows, outputs and k, x in several chunks, and
     threads with several panels each (16 rows: the next panel prefetched as one is read).
-    The VNNI GEMM scales in the reference's order: its numbers bit for bit."""
+    Both GEMMs scale in the reference's order: its numbers bit for bit."""
     if layout == "amx" and not _amx_available():
         pytest.skip("CPU (or Linux) lacks AMX-INT8")
     q = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(n + k))
@@ -94,8 +94,7 @@ def test_w8a8_gemms_on_packed_copies_match_the_reference(layout, rows, n, k):
     for b in (None, bias):
         got = get_cpu_kernels().w8a8_packed_linear(x, qw.packed, k, qw.scale, qw.wsum, b)
         assert_matches_reference(got, x, qw, b)
-        if layout == "vnni":
-            assert torch.equal(got, reference_linear(x, qw, b))
+        assert torch.equal(got, reference_linear(x, qw, b))
 
 
 @needs_vnni
@@ -103,8 +102,8 @@ def test_vnni_w8a8_outputs_equal_the_reference_over_many_scales():
     """(acc * xs) * scale rounds differently from acc * (xs * scale) in the last float32
     bit, and at a bf16 midpoint that flips the output: ~1 in 10^5 outputs, so a single
     random scale (the test above) catches a reassociated epilogue only now and then. Over
-    40 seeded scales, 576,000 outputs, the VNNI GEMM and the row kernel equal the
-    reference everywhere."""
+    40 seeded scales, 576,000 outputs, the VNNI GEMM, the row kernel and (where the CPU
+    has it) the AMX GEMM equal the reference everywhere."""
     kernels = get_cpu_kernels()
     q = torch.randint(-128, 128, (48, 2048), generator=torch.Generator().manual_seed(0))
     x = (3 * torch.randn(300, 2048, generator=torch.Generator().manual_seed(1))).bfloat16()
@@ -117,6 +116,10 @@ def test_vnni_w8a8_outputs_equal_the_reference_over_many_scales():
         assert torch.equal(got, want), f"seed {seed}: {(got != want).sum()} outputs differ"
         rows = kernels.quant_linear(x[:4], qw.kind, qw.weight, qw.scale, None, qw.wsum, 0, None)
         assert torch.equal(rows, want[:4]), f"seed {seed}: the row kernel differs"
+        if _amx_available():
+            tiles = pack_amx_w8a8(qw.weight)
+            got = kernels.w8a8_packed_linear(x, tiles, 2048, qw.scale, qw.wsum, None)
+            assert torch.equal(got, want), f"seed {seed}: the AMX GEMM differs"
 
 
 @needs_vnni
