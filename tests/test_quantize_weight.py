@@ -138,15 +138,3 @@ def test_an_engine_quantizes_with_the_kernel(qwen3_dir, monkeypatch) -> None:
         quantization_config={"group_size": 32},
     )
     assert seen and all(k is not None for k in seen)
-
-
-@pytest.mark.parametrize(("n", "k"), [(1, 4), (31, 64), (32, 1024), (75, 2560)])
-def test_the_compiled_vnni_packing_matches_the_torch_one(n, k) -> None:
-    from minivllm.quantization import packing
-
-    q = torch.randint(
-        -128, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n)
-    )
-    qw = formats.from_int8_values(q, torch.rand(n) + 0.1, "int8_w8a8")
-    packing.prepack(qw, "vnni", vnni_kernel=kernels.pack_vnni_w8a8)
-    assert torch.equal(qw.packed, packing.pack_vnni_w8a8(q))

@@ -72,6 +72,7 @@ def get_cpu_kernels() -> ModuleType | None:
             "dequantize.cpp",
             "quant_w8a8.cpp",
             "quantize_weight.cpp",
+            "pack_weights.cpp",
             "int4_w4a8.cpp",
             "amx_w8a8.cpp",
             "dsa.cpp",

@@ -159,6 +159,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_weight", &quantize_weight,
         "a bf16 weight quantized as formats.quantize does it (int8, int4, fp8), into the given tensors", nogil);
   m.def("pack_vnni_w8a8", &pack_vnni_w8a8, "packing.pack_vnni_w8a8 into the given tensor", nogil);
+  m.def("pack_amx_w8a8", &pack_amx_w8a8, "packing.pack_amx_w8a8 into the given tensor", nogil);
+  m.def("pack_vnni_w4a8", &pack_vnni_w4a8, "packing.pack_vnni_w4a8 into the given tensor", nogil);
   m.def("amx_w8a8_available", &amx_w8a8_available, "whether AMX-INT8 runs here (asks Linux for it once)");
   m.def("amx_bf16_available", &amx_bf16_available, "whether AMX-BF16 runs here (asks Linux for it once)");
   m.def("w8a8_packed_linear", &w8a8_packed_linear, "int8_w8a8 on a prepacked copy (AMX or VNNI)", nogil);

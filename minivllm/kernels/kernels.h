@@ -135,8 +135,20 @@ float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
 // groups of a multiple of 16 k), 3 fp8_w8a16 (per channel); a NaN's row or group: NaN scale.
 void quantize_weight(torch::Tensor w, int64_t kind, int64_t group_size, torch::Tensor q, torch::Tensor scale,
                      c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> wsum);
-// packing.pack_vnni_w8a8 into `out` [ceil(N / 32), K / 4, 32, 4] (quantize_weight.cpp).
+// `t` is a contiguous `dtype` tensor of `shape`, else `op`'s error naming it.
+inline void check_tensor(const char* op, const torch::Tensor& t, const char* name, at::ScalarType dtype,
+                         const std::vector<int64_t>& shape) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape), op, ": ",
+              name, " must be a contiguous ", c10::toString(dtype), " ", c10::IntArrayRef(shape));
+}
+// The packed copies of quantized weights that the GEMMs read, written into `out`
+// (pack_weights.cpp): packing.pack_vnni_w8a8 [ceil(N / 32), K / 4, 32, 4], pack_amx_w8a8
+// [ceil(N / 32), ceil(K / 64), 2, 16, 64] and pack_vnni_w4a8 (uint8 [ceil(N / 16), K / 8 * 64
+// + groups * 128], from formats' int4 rows, scales and zero points, none where symmetric).
 void pack_vnni_w8a8(torch::Tensor q, torch::Tensor out);
+void pack_amx_w8a8(torch::Tensor q, torch::Tensor out);
+void pack_vnni_w4a8(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t group_size,
+                    torch::Tensor out);
 // parallel_for's grain for quantizing rows of x: they split once a batch holds more than
 // ~8K values, where a thread's share pays for starting it. A decode batch's 16 rows of 1024 had gone to one
 // thread (~0.8 ms of a 57 ms int8_w8a8 step on a 2-core Zen 4, the other thread waiting).

@@ -1,5 +1,6 @@
 // Online quantization of bf16 weights at load: formats.quantize's int8, int4 and fp8
-// schemes, bit for bit, in one pass over each row; and int8_w8a8's VNNI panels packed.
+// schemes, bit for bit, in one pass over each row (the packed copies some schemes' GEMMs
+// read are pack_weights.cpp's).
 //
 // formats._quantize_rows does it in torch ops on float32 copies of 256 K-element chunks:
 // ~0.5 G weights a second on a 2-core AMD EPYC (Zen 4), ~7 s of a Qwen3-4B-shaped load.
@@ -157,9 +158,7 @@ int32_t row_sum(const int8_t* q, int64_t K) {
 }
 
 void check_out(const torch::Tensor& t, const char* name, at::ScalarType dtype, std::vector<int64_t> shape) {
-  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape),
-              "quantize_weight: ", name, " must be a contiguous ", c10::toString(dtype), " ",
-              c10::IntArrayRef(shape));
+  check_tensor("quantize_weight", t, name, dtype, shape);
 }
 
 }  // namespace
@@ -209,30 +208,6 @@ void quantize_weight(torch::Tensor w, int64_t kind, int64_t group_size, torch::T
       pack_row(values.data(), K, qp + n * K / 2);
       for (int64_t g = 0; g < groups; ++g)
         if (has_nan(x + n * K + g * group_size, group_size)) sp[n * groups + g] = NAN;
-    }
-  });
-}
-
-// packing.pack_vnni_w8a8 of int8 q [N, K] into out [ceil(N / 32), K / 4, 32, 4]: panel p's
-// step k4 holds the 4 k of its 32 rows (zeros past N), each a 4-byte word. The torch
-// permute it replaces ran ~1 G bytes a second (~3 s of a Qwen3-4B int8_w8a8 load).
-void pack_vnni_w8a8(torch::Tensor q, torch::Tensor out) {
-  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous() && q.size(1) % 4 == 0,
-              "pack_vnni_w8a8: q must be a contiguous int8 [N, K], K % 4 == 0");
-  const int64_t N = q.size(0), K = q.size(1), panels = (N + 31) / 32;
-  check_out(out, "out", at::kChar, {panels, K / 4, 32, 4});
-  const int8_t* src = q.data_ptr<int8_t>();
-  int32_t* dst = reinterpret_cast<int32_t*>(out.data_ptr<int8_t>());
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      int32_t* panel = dst + p * (K / 4) * 32;
-      const int64_t rows = std::min<int64_t>(32, N - 32 * p);
-      for (int64_t k4 = 0; k4 < K / 4; ++k4)
-        for (int64_t c = 0; c < 32; ++c) {
-          int32_t word = 0;
-          if (c < rows) std::memcpy(&word, src + (32 * p + c) * K + 4 * k4, 4);
-          panel[k4 * 32 + c] = word;
-        }
     }
   });
 }

@@ -77,6 +77,8 @@ register_family(
             "quantize_per_token_int8",
             "quantize_weight",
             "pack_vnni_w8a8",
+            "pack_amx_w8a8",
+            "pack_vnni_w4a8",
             "dequantize_bf16",
             "dequantized_linear",
             "amx_w8a8_available",

@@ -183,7 +183,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             # ~2.4 s (faulting 420 MB of huge pages in) for batch-1 decode within noise
             arena = huge_pages.weights_arena() if layout == "w4a8" and huge_pages_copy else None
             packing.prepack(
-                qw, layout, mapped_packed, arena and arena.empty, kernels.op("pack_vnni_w8a8")
+                qw, layout, mapped_packed, arena and arena.empty, kernels.op
             )
             if every_call:
                 qw = packing.drop_rows(qw)

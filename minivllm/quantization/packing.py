@@ -60,16 +60,16 @@ def prepack(
     layout: str,
     mapped: Tensor | None = None,
     empty: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
-    vnni_kernel: Callable[[Tensor, Tensor], None] | None = None,
+    kernels: Callable[[str], Callable[..., None] | None] | None = None,
 ) -> None:
     """Fill `qw.packed` in `layout` (`packed_shape`'s): with `mapped` where it is a copy of
     that shape and dtype (the weight cache's, packed by the daemon from the same weights:
     the cache key matched), else packed here into `empty(shape, dtype)` (default
     `torch.empty`; the huge-page arena's where the copy lives there), `PACK_CHUNK` bytes of
     rows at a time so that the packing's temporaries stay small whatever the layer (an LM
-    head's are hundreds of MB). `vnni_kernel`: the compiled `pack_vnni_w8a8`, which fills
-    the "vnni" layout in one pass with no temporaries (tests/test_quantize_weight.py checks
-    it equal)."""
+    head's are hundreds of MB). `kernels`: the engine's `Kernels.op`, whose compiled
+    packers (kernels/pack_weights.cpp, `PACK_OPS`) fill the layout in one pass with no
+    temporaries, byte for byte these functions' (tests/test_pack_weights.py)."""
     if fits(mapped, qw, layout):
         qw.packed = mapped
         return
@@ -101,8 +101,13 @@ def prepack(
         if empty is not None
         else torch.empty(shape, dtype=dtype, device=qw.weight.device)
     )
-    if layout == "vnni" and vnni_kernel is not None and qw.weight.device.type == "cpu":
-        vnni_kernel(qw.weight.contiguous(), out)
+    op = kernels(PACK_OPS[layout]) if kernels is not None else None
+    if op is not None and qw.weight.device.type == "cpu" and qw.in_features % 4 == 0:
+        if layout == "w4a8":
+            zero = None if qw.zero is None else qw.zero.contiguous()
+            op(qw.weight.contiguous(), qw.scale.contiguous(), zero, qw.group_size, out)
+        else:
+            op(qw.weight.contiguous(), out)
         qw.packed = out
         return
     n = qw.out_features
@@ -114,6 +119,8 @@ def prepack(
 
 
 PACK_CHUNK = 4 << 20  # bytes of rows packed at a time
+# the compiled packer of each layout (kernels/pack_weights.cpp)
+PACK_OPS = {"vnni": "pack_vnni_w8a8", "amx": "pack_amx_w8a8", "w4a8": "pack_vnni_w4a8"}
 
 
 def prepack_w4a8(qw: QuantWeights) -> None:
