@@ -186,16 +186,19 @@ __attribute__((noinline)) void amx_pv(float* o, int64_t D, const bf16* p, const 
 #pragma GCC pop_options
 #endif  // MINIVLLM_HAVE_AMX
 
-// Scores of one row for 64 keys from j0: scaled, with the keys it may not see at -inf
-// (after the query's position p, or before lo with a window).
-inline void mask_and_store(float* s, const __m512 (&acc)[4], int64_t j0, int64_t p, int64_t lo, float scale) {
+// One row's unscaled scores for the 64 keys from j0, scaled, with the keys it may not see
+// at -inf (after the query's position p, or before lo with a window). Only a tile that
+// crosses p or lo is masked: the rest of a causal prompt's tiles, most of them, skip it
+// (a separate masking pass over every tile was ~10% of a 512-token prefill's attention).
+inline void scale_and_mask(__m512 (&sv)[4], const float* s, int64_t j0, int64_t p, int64_t lo, float scale) {
+  for (int c = 0; c < 4; ++c) sv[c] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), _mm512_set1_ps(scale));
+  if (j0 + KT - 1 <= p && j0 >= lo) return;
   for (int c = 0; c < 4; ++c) {
     const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j0 + 16 * c)),
                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     __mmask16 ok = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(p)));
     ok &= _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo)));
-    const __m512 sv = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok, _mm512_mul_ps(acc[c], _mm512_set1_ps(scale)));
-    _mm512_storeu_ps(s + 16 * c, sv);
+    sv[c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), ok, sv[c]);
   }
 }
 
@@ -227,15 +230,10 @@ void attend_tile(const bf16* q, int64_t q_row_stride, const HeadLayout& lay, int
 #ifdef MINIVLLM_HAVE_AMX
     if (amx) {
       for (int64_t r0 = 0; r0 < R; r0 += 16) amx_scores(q_buf.data() + r0 * D, D, kt, s_buf.data() + r0 * KT);
-      for (int64_t r = 0; r < R; ++r) {
-        float* s = s_buf.data() + r * KT;
-        const __m512 acc[4] = {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), _mm512_loadu_ps(s + 32),
-                               _mm512_loadu_ps(s + 48)};
-        mask_and_store(s, acc, j0, pos[r], window > 0 ? pos[r] - window + 1 : 0, scale);
-      }
     }
 #endif
-    // S = scale * Q K^T for this key tile, RB rows x 64 keys at a time
+    // S = Q K^T for this key tile (scaled and masked by the softmax below), RB rows x 64
+    // keys at a time
     for (int64_t r0 = 0; !amx && r0 < R; r0 += RB) {
       __m512 acc[RB][4];
       for (int i = 0; i < RB; ++i)
@@ -248,16 +246,14 @@ void attend_tile(const bf16* q, int64_t q_row_stride, const HeadLayout& lay, int
           for (int c = 0; c < 4; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], kv[c], qb);
         }
       }
-      for (int i = 0; i < RB; ++i) {
-        const int64_t p = pos[r0 + i];
-        mask_and_store(s_buf.data() + (r0 + i) * KT, acc[i], j0, p, window > 0 ? p - window + 1 : 0, scale);
-      }
+      for (int i = 0; i < RB; ++i)
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s_buf.data() + (r0 + i) * KT + 16 * c, acc[i][c]);
     }
     // online softmax: rescale O and l, P = exp(S - m) in bf16
     for (int64_t r = 0; r < R; ++r) {
-      float* s = s_buf.data() + r * KT;
-      __m512 mx = _mm512_loadu_ps(s);
-      for (int c = 1; c < 4; ++c) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + 16 * c));
+      __m512 sv[4];
+      scale_and_mask(sv, s_buf.data() + r * KT, j0, pos[r], window > 0 ? pos[r] - window + 1 : 0, scale);
+      __m512 mx = _mm512_max_ps(_mm512_max_ps(sv[0], sv[1]), _mm512_max_ps(sv[2], sv[3]));
       const float tile_max = _mm512_reduce_max_ps(mx);
       bf16* pb = p_buf.data() + r * KT;
       if (tile_max == -INFINITY) {  // nothing visible to this row in this tile
@@ -265,10 +261,12 @@ void attend_tile(const bf16* q, int64_t q_row_stride, const HeadLayout& lay, int
         continue;
       }
       const float m_new = std::max(m[r], tile_max);
-      const float alpha = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first visible tile
+      // exp(-inf) = 0 on the first visible tile; a row whose maximum stands (most tiles,
+      // once a row has seen a few) needs no exp and no rescaling of O
+      const float alpha = m_new == m[r] ? 1.f : std::exp(m[r] - m_new);
       __m512 sum = _mm512_setzero_ps();
       for (int c = 0; c < 4; ++c) {
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), _mm512_set1_ps(m_new)));
+        const __m512 e = exp_ps(_mm512_sub_ps(sv[c], _mm512_set1_ps(m_new)));
         // round to bf16 first so that l sums exactly the weights used in O
         const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + 16 * c), eb);
