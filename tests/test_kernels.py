@@ -397,3 +397,33 @@ def test_a_second_checkout_of_the_same_kernels_reuses_the_build(tmp_path):
     _run_in_own_group([sys.executable, "-c", code], timeout=90, env=env, cwd=tmp_path)
     assert library.stat().st_mtime_ns == before, "the second checkout recompiled the kernels"
     assert (build / "build.ninja").read_bytes() == ninja  # the same sources, by the same paths
+
+
+@needs_kernel
+@pytest.mark.parametrize("prepack", [False, True])
+def test_cpu_linear_kernel_streams_up_to_this_cpus_row_limit(prepack, monkeypatch):
+    """Our GEMV takes batches up to `kernel_row_limits()` rows (fewer where oneDNN has
+    AMX-BF16 tiles), oneDNN the larger ones; both give F.linear's numbers."""
+    from minivllm.kernels.isa import cpu_flags
+    from minivllm.layers import cpu_linear
+
+    plain, packed = cpu_linear.kernel_row_limits()
+    amx = "amx_bf16" in cpu_flags()
+    assert (plain, packed) == ((8, 4) if amx else (64, 16))
+    calls = []
+    gemv = get_cpu_kernels().gemv_bf16
+
+    def recording(x, w, b):
+        calls.append(x.shape[0])
+        return gemv(x, w, b)
+
+    layer = torch.nn.Linear(64, 48, bias=False).bfloat16()
+    kernel = cpu_linear.CpuLinearKernel.build(recording, layer.weight, prepack=prepack)
+    limit = packed if prepack else plain
+    assert kernel.max_rows == limit
+    for rows in (1, limit, limit + 1, 3 * limit):
+        x = torch.randn(rows, 64).bfloat16()
+        got = kernel(x, layer.weight, None)
+        want = torch.nn.functional.linear(x.double(), layer.weight.double())
+        torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=2**-7)
+    assert calls == [1, limit]

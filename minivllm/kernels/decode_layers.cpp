@@ -76,7 +76,8 @@ struct Linear {
 };
 
 // The weight-streaming kernels up to their row limits; past them a GEMM: oneDNN's on bf16's
-// packed copy, ours on int8_w8a8's and int4_w4a8's (whose limit is 0: every batch), and
+// packed copy (or on its plain weight where the model has none; max_kernel_rows is then
+// cpu_linear.py's limit for plain weights), ours on int8_w8a8's and int4_w4a8's (whose limit is 0: every batch), and
 // for the weight-only schemes, as QuantizedLinearMethod.apply does, dequantized_linear up
 // to kernel_limits.max_dequantized_rows
 // (int4, block-scaled fp8), then oneDNN's on the weight dequantized to bf16.
@@ -87,7 +88,8 @@ constexpr int64_t FP8_BLOCKS_ROWS = 6, INT4_DEQUANTIZED_ROWS = 7, FP8_BLOCKS_DEQ
 torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel_rows,
                      const std::vector<int64_t>& max_quant_rows) {
   if (l.kind == 0) {
-    if (l.packed.numel() && x.size(0) > max_kernel_rows) return packed_linear(x, l.packed, l.bias);
+    if (x.size(0) > max_kernel_rows)
+      return l.packed.numel() ? packed_linear(x, l.packed, l.bias) : at::linear(x, l.w, maybe(l.bias));
     return gemv_bf16(x, l.w, maybe(l.bias));
   }
   const torch::Tensor *scale = l.quant, *zero = l.quant + 1, *wsum = l.quant + 2, *packed = l.quant + 3;

@@ -255,8 +255,10 @@ class FusedLlamaDecode(_DecodeStep):
     def __init__(self, parts: DecoderStackParts, op: Callable[..., torch.Tensor]) -> None:
         super().__init__(parts, op)
         none = torch.empty(0, dtype=torch.bfloat16)
-        # per linear: bf16's oneDNN-prepacked copy (or empty), for batches over
-        # MAX_KERNEL_ROWS_PACKED rows; the quantization kind (0: bf16) and its tensors
+        # per linear: bf16's oneDNN-prepacked copy (or empty) and the rows up to which its
+        # GEMV runs (the bf16 linears' CpuLinearKernel.max_rows, one value for the model:
+        # all are prepacked or none); the quantization kind (0: bf16) and its tensors
+        self.max_kernel_rows = MAX_KERNEL_ROWS_PACKED
         self.packed: list[torch.Tensor] = []
         self.quant_kinds: list[int] = []
         self.quant: list[torch.Tensor] = []
@@ -281,7 +283,7 @@ class FusedLlamaDecode(_DecodeStep):
     def _linear_args(self) -> tuple:
         return (
             self.packed,
-            MAX_KERNEL_ROWS_PACKED,
+            self.max_kernel_rows,
             self.quant_kinds,
             self.quant,
             self.max_quant_rows,
@@ -290,7 +292,9 @@ class FusedLlamaDecode(_DecodeStep):
     def _add_linear(self, linear: LinearBase, none: torch.Tensor) -> None:
         weights = _quant_weights(linear)
         if weights is None:
-            self.packed.append(_or(linear.quant_method.cpu_kernel.packed_weight, none))
+            kernel = linear.quant_method.cpu_kernel
+            self.packed.append(_or(kernel.packed_weight, none))
+            self.max_kernel_rows = kernel.max_rows
             self.quant_kinds.append(0)
             self.quant += [none] * 4
             return
