@@ -80,18 +80,18 @@ def test_an_engine_packs_with_the_kernels(qwen3_dir, monkeypatch, scheme) -> Non
 
     calls: list[str] = []
     prepack = packing.prepack
+    torch_packings = {
+        "amx": lambda qw: packing.pack_amx_w8a8(qw.weight),
+        "vnni": lambda qw: packing.pack_vnni_w8a8(qw.weight),
+        "w4a8": packing.pack_vnni_w4a8,
+    }
 
     def recording(qw, layout, *args, **kwargs):
         ops = kwargs.get("kernels") or (args[2] if len(args) > 2 else None)
         assert ops is not None and ops(packing.PACK_OPS[layout]) is not None
         calls.append(layout)
         prepack(qw, layout, *args, **kwargs)
-        want = packing.pack_vnni_w4a8(qw) if layout == "w4a8" else None
-        if layout == "amx":
-            want = packing.pack_amx_w8a8(qw.weight)
-        elif layout == "vnni":
-            want = packing.pack_vnni_w8a8(qw.weight)
-        assert torch.equal(qw.packed, want)
+        assert torch.equal(qw.packed, torch_packings[layout](qw))
 
     monkeypatch.setattr(packing, "prepack", recording)
     LLM(

@@ -77,8 +77,8 @@ struct Linear {
 
 // The weight-streaming kernels up to their row limits; past them a GEMM: oneDNN's on bf16's
 // packed copy (or on its plain weight where the model has none; max_kernel_rows is then
-// cpu_linear.py's limit for plain weights), ours on int8_w8a8's and int4_w4a8's (whose limit is 0: every batch), and
-// for the weight-only schemes, as QuantizedLinearMethod.apply does, dequantized_linear up
+// cpu_linear.py's limit for plain weights), ours on int8_w8a8's and int4_w4a8's (whose
+// limit is 0: every batch), and for the weight-only schemes, as QuantizedLinearMethod.apply does, dequantized_linear up
 // to kernel_limits.max_dequantized_rows
 // (int4, block-scaled fp8), then oneDNN's on the weight dequantized to bf16.
 // max_quant_rows[kind]: kernel_limits.max_kernel_rows, block-scaled fp8's (kind 3 with a 2-D

@@ -16,11 +16,11 @@ stock `F.linear` the rest.
 
 On CPUs with AMX-BF16 (Sapphire Rapids and later) oneDNN's GEMM runs on the tile unit
 and overtakes our kernel after a few rows: on a 2-vCPU Xeon (2026-12-05, the 0.6B
-shape's linears and its 151,936-row LM head, weights cycled from memory, ms per call)
-the prepacked copy was level at 4 rows (qkv 0.34 vs 0.32, head 11.6 vs 10.3) and 2.6x
-ahead at 16 (qkv 0.83 vs 0.32, head 28.1 vs 10.2), plain `F.linear` level at 8 and 1.7x
-ahead at 16 (`kernel_row_limits`; `python benchmarks/bf16_linear_rows.py`). A batch-16 decode step of an int8_w8a8 engine had
-spent 31 of its 63 ms in the bf16 LM head.
+shape's linears and its 151,936-row LM head, weights cycled from memory, ms per call,
+`python benchmarks/bf16_linear_rows.py`) the prepacked copy was level at 4 rows (qkv
+0.34 vs 0.32, head 11.6 vs 10.3) and 2.6x ahead at 16 (qkv 0.83 vs 0.32, head 28.1 vs
+10.2), plain `F.linear` level at 8 and 1.7x ahead at 16 (`kernel_row_limits`). A
+batch-16 decode step of an int8_w8a8 engine had spent 31 of its 63 ms in the bf16 LM head.
 """
 
 from __future__ import annotations

@@ -182,9 +182,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             # a 2-vCPU Zen 4 (2026-12-05) huge pages took its 0.6B-shape load from ~1.6 to
             # ~2.4 s (faulting 420 MB of huge pages in) for batch-1 decode within noise
             arena = huge_pages.weights_arena() if layout == "w4a8" and huge_pages_copy else None
-            packing.prepack(
-                qw, layout, mapped_packed, arena and arena.empty, kernels.op
-            )
+            packing.prepack(qw, layout, mapped_packed, arena and arena.empty, kernels.op)
             if every_call:
                 qw = packing.drop_rows(qw)
             self.packed_op = kernels.op(

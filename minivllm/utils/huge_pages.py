@@ -17,8 +17,8 @@ the loader fills every linear weight on a huge-page mapping of its own from the 
 faster: the checkpoint's copy into 2 MiB pages takes 512 times fewer page faults (the
 Qwen3-4B shape's load, alternated runs on the Zen 4 VM: bf16 7.1-10.1 -> 5.7-6.3 s, int8
 7.3-9.3 -> 5.7-6.6 s with memory free; level, int8 7.8-9.1 -> 7.8-8.4 s, once the page
-cache held 19 of 24 GB and huge pages had to be reclaimed first). The KV cache stays on small pages: its first write
-to each 2 MiB would zero the whole page, and a request touches one in every KV head of
+cache held 19 of 24 GB and huge pages had to be reclaimed first). The KV cache stays on
+small pages: its first write to each 2 MiB would zero the whole page, and a request touches one in every KV head of
 every layer (~2.5 s on the first request at this shape).
 
 Advice is a hint: where the kernel has no huge page to give, or THP is "never", the
