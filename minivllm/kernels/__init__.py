@@ -75,6 +75,7 @@ def get_cpu_kernels() -> ModuleType | None:
             "pack_weights.cpp",
             "int4_w4a8.cpp",
             "amx_w8a8.cpp",
+            "amx_weight_only.cpp",
             "dsa.cpp",
             "moe.cpp",
             "moe_quant.cpp",

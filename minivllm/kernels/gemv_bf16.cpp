@@ -166,6 +166,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_packed_linear", &w8a8_packed_linear, "int8_w8a8 on a prepacked copy (AMX or VNNI)", nogil);
   m.def("vnni_w8a8_linear", &vnni_w8a8_linear, "int8_w8a8 GEMM on AVX512-VNNI, per-token scales fused", nogil);
   m.def("amx_w8a8_linear", &amx_w8a8_linear, "int8_w8a8 on AMX-INT8, per-token scales fused", nogil);
+  m.def("amx_weight_only_linear", &amx_weight_only_linear,
+        "weight-only int8 / fp8 / int4 x @ W^T + b on AMX-BF16 tiles, on formats' rows", nogil);
+  m.def("amx_weight_only_supports", &amx_weight_only_supports,
+        "whether amx_weight_only_linear takes a kind, K and group size");
   m.def("llama_decode_layers", &llama_decode_layers, "every Llama-family decoder layer, one decode step", nogil);
   m.def("prefill_attention", &prefill_attention, "bf16 causal prefill attention over the paged cache",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_table"), py::arg("num_context"),

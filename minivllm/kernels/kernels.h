@@ -165,6 +165,12 @@ void amx_release_tiles();
 #endif
 torch::Tensor amx_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features,
                               torch::Tensor scale, c10::optional<torch::Tensor> bias);
+// Weight-only int8 / fp8 (per channel) and int4 (groups of a multiple of 128) on AMX-BF16
+// tiles (amx_weight_only.cpp), on formats' rows; kinds as quant_linear's.
+bool amx_weight_only_supports(int64_t kind, int64_t in_features, int64_t group_size);
+torch::Tensor amx_weight_only_linear(torch::Tensor x, int64_t kind, torch::Tensor weight, torch::Tensor scale,
+                                     c10::optional<torch::Tensor> zero, int64_t group_size,
+                                     c10::optional<torch::Tensor> bias);
 // int8_w8a8's GEMM on CPUs with AVX512-VNNI but no AMX (quant_w8a8.cpp), on packing.pack_vnni_w8a8's layout.
 torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
                                torch::Tensor wsum, c10::optional<torch::Tensor> bias);

@@ -84,6 +84,7 @@ register_family(
             "amx_w8a8_available",
             "amx_bf16_available",
             "amx_w8a8_linear",
+            "amx_weight_only_linear",
             "vnni_w8a8_linear",
             "w8a8_packed_linear",
             "int4_w4a8_packed_linear",

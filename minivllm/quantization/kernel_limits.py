@@ -96,6 +96,31 @@ MAX_STREAMING_ROWS_FP8_BLOCKS = 16
 MAX_DEQUANTIZED_ROWS = {"int4_w4a16": 64, "fp8_blocks": 32}
 
 
+# The weight-only schemes on CPUs with AMX-BF16: amx_weight_only_linear (amx_weight_only.cpp)
+# decodes the rows into bf16 tiles for the tile unit, and takes over from quant_linear past
+# these rows (int8 and fp8 per channel; int4 in groups of a multiple of 128) up to
+# AMX_WEIGHT_ONLY_MAX_ROWS, past which dequantize + oneDNN's GEMM runs. On a 2-vCPU Xeon
+# (AMX), Qwen3-0.6B's four linears from memory, ms a layer (2026-12-07, `python
+# benchmarks/dequantized_linear.py --scheme int8 --rows 1 2 3 4 6 128 512`, and int4, fp8):
+# int8 quant_linear 0.88 vs AMX 1.00 at 4 rows, 1.81 vs 1.02 at 6, 3.59 vs 1.07 at 16 (bf16
+# on oneDNN 1.50); int4 g128 0.62 vs 0.74 at 2 rows, 0.83 vs 0.76 at 3, 3.86 vs 0.78 at 16
+# (the best other form, dequantize + GEMM, 2.55); fp8 1.09 vs 1.40 at 4, 1.77 vs 1.23 at 6.
+# At 256 rows AMX 5.41 vs dequantize + GEMM 6.53 (int8), 6.17 vs 6.27 (int4); at 384 9.1
+# vs 8.4 and 10.0 vs 7.5.
+AMX_MAX_STREAMING_ROWS = {"int8_w8a16": 4, "fp8_w8a16": 4, "int4_w4a16": 2}
+AMX_WEIGHT_ONLY_MAX_ROWS = 256
+AMX_INT4_GROUP_MULTIPLE = 128  # its decoder's unit: a group must be whole units
+
+
+def amx_weight_only_takes(qw: QuantWeights) -> bool:
+    """Whether amx_weight_only_linear takes `qw` (on a CPU with AMX-BF16)."""
+    if qw.scheme not in AMX_MAX_STREAMING_ROWS or qw.in_features <= 0 or qw.in_features % 32:
+        return False
+    if qw.scheme == "int4_w4a16":
+        return divides(AMX_INT4_GROUP_MULTIPLE, qw.group_size)
+    return qw.group_size == 0  # per channel (block-scaled fp8 keeps its group tiles)
+
+
 def max_dequantized_rows(qw: QuantWeights) -> int:
     """Rows up to which `dequantized_linear` runs `qw` past `max_kernel_rows` (0: never)."""
     if qw.scheme == "fp8_w8a16" and qw.group_size:
@@ -108,9 +133,13 @@ def moe_one_call_rows(qw: QuantWeights) -> int:
     return max(max_kernel_rows(qw), MOE_ONE_CALL_ROWS.get(qw.scheme, 0))
 
 
-def max_kernel_rows(qw: QuantWeights) -> int:
-    """Rows up to which `quant_linear` runs `qw`: past them a weight-only scheme is
-    dequantized (`max_dequantized_rows`) and int8_w8a8 runs a GEMM on its prepacked copy."""
+def max_kernel_rows(qw: QuantWeights, amx: bool = False) -> int:
+    """Rows up to which `quant_linear` runs `qw`: past them a weight-only scheme runs on
+    AMX tiles (`amx`: the engine has amx_weight_only_linear and the CPU AMX-BF16, and the
+    kernel takes `qw`) or is dequantized (`max_dequantized_rows`), and int8_w8a8 runs a
+    GEMM on its prepacked copy."""
+    if amx and amx_weight_only_takes(qw):
+        return AMX_MAX_STREAMING_ROWS[qw.scheme]
     if qw.scheme == "int8_w8a8":
         return w8a8_max_kernel_rows(qw.packed)
     if qw.scheme == "fp8_w8a16" and qw.group_size:

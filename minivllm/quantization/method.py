@@ -69,6 +69,10 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.kernel_rows = 0  # rows for quant_linear; past them kernel_limits.max_kernel_rows says
         self.dequantized_rows = 0  # then dequantized_linear's (kernel_limits.max_dequantized_rows)
         self.dequantized_op = None  # the compiled dequantized_linear, with `op`
+        # amx_weight_only_linear, with `op` where the CPU has AMX-BF16 and the kernel takes
+        # the weight: from kernel_rows to amx_rows (kernel_limits.AMX_WEIGHT_ONLY_MAX_ROWS)
+        self.amx_op = None
+        self.amx_rows = 0
         self.kernel_op = None  # the compiled quant_linear the engine offered, used or not
         self.backend = "torch"
         self.dtype = torch.get_default_dtype()  # the model's: what dequantized rows become
@@ -188,7 +192,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             self.packed_op = kernels.op(
                 "int4_w4a8_packed_linear" if layout == "w4a8" else "w8a8_packed_linear"
             )
-        self.kernel_rows = kernel_limits.max_kernel_rows(qw)
+        self.kernel_rows = kernel_limits.max_kernel_rows(qw, amx=self.amx_op is not None)
         self.dequantized_rows = kernel_limits.max_dequantized_rows(qw)
         self.quant_weights = qw
 
@@ -219,6 +223,8 @@ class QuantizedLinearMethod(LinearMethodBase):
             return "cpu_kernel (the AVX2 family's linear_quantw, float32 activations)"
         if self.op is not None and self.spec.scheme == "int4_w4a8":
             return "cpu_kernel (int4_w4a8_packed_linear, int8 activations on AVX512-VNNI)"
+        if self.amx_op is not None:
+            return "cpu_kernel (quant_linear, bfloat16 activations; batches on AMX-BF16 tiles)"
         if self.op is not None:
             return "cpu_kernel (quant_linear, bfloat16 activations)"
         return "torch (the plain-PyTorch reference)"
@@ -273,6 +279,16 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.op = op if usable and wanted != "torch" else None
         self.dequantize_op = kernels.op("dequantize_bf16") if self.op is not None else None
         self.dequantized_op = kernels.op("dequantized_linear") if self.op is not None else None
+        self.amx_op, self.amx_rows = None, 0
+        amx = kernels.op("amx_bf16_available")
+        if (
+            self.op is not None
+            and amx is not None
+            and amx()
+            and kernel_limits.amx_weight_only_takes(qw)
+        ):
+            self.amx_op = kernels.op("amx_weight_only_linear")
+            self.amx_rows = kernel_limits.AMX_WEIGHT_ONLY_MAX_ROWS
         self.backend = "cpu_kernel" if self.op is not None else "torch"
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -292,6 +308,8 @@ class QuantizedLinearMethod(LinearMethodBase):
             out = self.op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.wsum, qw.group_size, bias)
         elif qw.scheme == "int8_w8a8":
             out = self.packed_op(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
+        elif rows.shape[0] <= self.amx_rows:  # amx_op: weight-only schemes on AMX-BF16
+            out = self.amx_op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias)
         elif rows.shape[0] <= self.dequantized_rows and self.dequantized_op is not None:
             out = self.dequantized_op(
                 rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias
