@@ -196,3 +196,39 @@ def test_the_fused_decode_step_runs_it_as_the_layers_do(make_checkpoint, quantiz
     fused_step, _ = FusedLlamaDecode.build(runner.model, runner.kernels, runner.attn_backend)
     assert fused_step.max_quant_rows[AMX_WEIGHT_ONLY_ROWS] == kernel_limits.AMX_WEIGHT_ONLY_MAX_ROWS
     _assert_fused_equals_per_layer(llm)  # 20 sequences a step, then 3
+
+
+def test_the_fused_decode_step_keeps_each_int4_layer_on_its_own_route(make_checkpoint):
+    """int4 in groups of 128 (the AMX kernel's) beside groups of 64 (not its): per layer,
+    quant_linear keeps 2 rows before the AMX kernel on the first and 4 on the second, then
+    dequantized_linear; the one-call step takes each layer's own route, so it equals the
+    per-layer path bit for bit with 3 and with 20 sequences a step."""
+    _amx_kernels()
+    from minivllm import LLM
+
+    model_dir = make_checkpoint(
+        "Qwen3ForCausalLM", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256
+    )
+    g64 = {"scheme": "int4_w4a16", "group_size": 64}
+    llm = LLM(
+        str(model_dir),
+        dtype="bfloat16",
+        quantization="online",
+        quantization_config={
+            "targets": {"re:.*mlp.*": "int4_w4a16", "re:.*self_attn.*": g64},
+            "ignore": ["lm_head"],
+        },
+        kv_cache_memory_bytes=8 << 20,
+        max_model_len=64,
+        block_size=4,
+        enable_prefix_caching=False,
+    )
+    runner = llm.llm_engine.executor.runner
+    methods = [
+        lin.quant_method
+        for layer in runner.model.decoder_stack_parts().layers
+        for lin in layer.linears
+    ]
+    assert {m.kernel_rows for m in methods if m.amx_op is not None} == {2}
+    assert {m.kernel_rows for m in methods if m.amx_op is None} == {4}
+    _assert_fused_equals_per_layer(llm)

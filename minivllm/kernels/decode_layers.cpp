@@ -83,11 +83,13 @@ struct Linear {
 // (int4, block-scaled fp8), then oneDNN's on the weight dequantized to bf16.
 // max_quant_rows[kind]: kernel_limits.max_kernel_rows, block-scaled fp8's (kind 3 with a 2-D
 // scale) at index FP8_BLOCKS_ROWS; then the two dequantized_linear limits, then the rows up
-// to which the weight-only kinds run on AMX-BF16 tiles where the kernel takes them
-// (amx_weight_only.cpp; 0 on CPUs without AMX).
+// to which the weight-only kinds run on AMX-BF16 tiles where the kernel takes a layer
+// (amx_weight_only.cpp; 0 on CPUs without AMX), then for kinds 1-3 the rows quant_linear
+// keeps before it on such a layer (kernel_limits.AMX_MAX_STREAMING_ROWS); a layer it does
+// not take (int4 in groups of 64, say) keeps its kind's own limit, as in the Python path.
 // layers/fused_decode.py's indices, past the kinds:
 constexpr int64_t FP8_BLOCKS_ROWS = 6, INT4_DEQUANTIZED_ROWS = 7, FP8_BLOCKS_DEQUANTIZED_ROWS = 8,
-                  AMX_WEIGHT_ONLY_ROWS = 9;
+                  AMX_WEIGHT_ONLY_ROWS = 9, AMX_STREAMING_ROWS = 10;  // + kind - 1
 torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel_rows,
                      const std::vector<int64_t>& max_quant_rows) {
   if (l.kind == 0) {
@@ -99,12 +101,15 @@ torch::Tensor linear(const torch::Tensor& x, const Linear& l, int64_t max_kernel
   // int4's and block-scaled fp8's scale: [N, K / G]
   const int64_t group_size = scale->dim() == 2 ? x.size(1) / scale->size(1) : 0;
   const bool fp8_blocks = l.kind == 3 && group_size > 0;
-  if (x.size(0) > max_quant_rows[fp8_blocks ? FP8_BLOCKS_ROWS : l.kind]) {
+  const bool amx = l.kind <= 3 && !fp8_blocks && max_quant_rows[AMX_WEIGHT_ONLY_ROWS] > 0 &&
+                   amx_weight_only_supports(l.kind, x.size(1), group_size);
+  const int64_t streamed = amx ? max_quant_rows[AMX_STREAMING_ROWS + l.kind - 1]
+                               : max_quant_rows[fp8_blocks ? FP8_BLOCKS_ROWS : l.kind];
+  if (x.size(0) > streamed) {
     // x's K, not the rows' (int8_w8a8 on VNNI panels keeps none: packing.drop_rows)
     if (l.kind == 4) return w8a8_packed_linear(x, *packed, x.size(1), *scale, *wsum, maybe(l.bias));
     if (l.kind == 5) return int4_w4a8_packed_linear(x, *packed, scale->size(0), group_size, maybe(l.bias));
-    if (l.kind <= 3 && !fp8_blocks && x.size(0) <= max_quant_rows[AMX_WEIGHT_ONLY_ROWS] &&
-        amx_weight_only_supports(l.kind, x.size(1), group_size))
+    if (amx && x.size(0) <= max_quant_rows[AMX_WEIGHT_ONLY_ROWS])
       return amx_weight_only_linear(x, l.kind, l.w, *scale, maybe(*zero), group_size, maybe(l.bias));
     const int64_t dequantized = l.kind == 2 ? max_quant_rows[INT4_DEQUANTIZED_ROWS]
                                 : fp8_blocks ? max_quant_rows[FP8_BLOCKS_DEQUANTIZED_ROWS]
@@ -157,10 +162,10 @@ torch::Tensor llama_decode_layers(torch::Tensor hidden, std::vector<torch::Tenso
   TORCH_CHECK(static_cast<int64_t>(quant.size()) == L * 16, "quant: scale, zero, wsum, packed per linear");
   TORCH_CHECK(static_cast<int64_t>(windows.size()) == L, "one window per layer");
   // one per formats.KERNEL_KIND, then block-scaled fp8's, then int4's and block-scaled
-  // fp8's dequantized_linear limits, then the weight-only kinds' on AMX tiles
-  TORCH_CHECK(static_cast<int64_t>(max_quant_rows.size()) == AMX_WEIGHT_ONLY_ROWS + 1,
+  // fp8's dequantized_linear limits, then the weight-only kinds' on AMX tiles and before them
+  TORCH_CHECK(static_cast<int64_t>(max_quant_rows.size()) == AMX_STREAMING_ROWS + 3,
               "max_quant_rows: one per quant kind 0-5, block-scaled fp8's, int4's and block-scaled "
-              "fp8's dequantized_linear limits, the AMX weight-only rows");
+              "fp8's dequantized_linear limits, the AMX weight-only rows and kinds 1-3's streaming rows before them");
   for (int64_t kind : quant_kinds)
     TORCH_CHECK(kind >= 0 && kind <= 5, "quant_kinds: 0 (bf16) to 5 (int4_w4a8), got ", kind);
   TORCH_CHECK(hidden.scalar_type() == at::kBFloat16 && hidden.dim() == 2, "hidden: bf16 [B, H]");

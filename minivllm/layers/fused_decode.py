@@ -39,6 +39,7 @@ from minivllm.layers.linear_method import UnquantizedLinearMethod
 from minivllm.layers.rotary import RotaryEmbedding
 from minivllm.quantization.formats import KERNEL_KIND, KIND_INT8_W8A8, QuantWeights
 from minivllm.quantization.kernel_limits import (
+    AMX_MAX_STREAMING_ROWS,
     MAX_DEQUANTIZED_ROWS,
     MAX_STREAMING_ROWS,
     MAX_STREAMING_ROWS_FP8_BLOCKS,
@@ -146,10 +147,12 @@ def _why_not_kernel_linear(linear: LinearBase) -> str | None:
 
 # decode_layers.cpp's index of block-scaled fp8's row limit, after one per quant kind, then
 # those of int4's and block-scaled fp8's dequantized_linear (kernel_limits.MAX_DEQUANTIZED_ROWS),
-# then the weight-only kinds' on AMX tiles (QuantizedLinearMethod.amx_rows)
+# then the weight-only kinds' on AMX tiles (QuantizedLinearMethod.amx_rows), then kinds 1-3's
+# streaming rows before them on a layer the AMX kernel takes (kernel_limits.AMX_MAX_STREAMING_ROWS)
 FP8_BLOCKS_ROWS = max(KERNEL_KIND.values()) + 1
 INT4_DEQUANTIZED_ROWS, FP8_BLOCKS_DEQUANTIZED_ROWS = FP8_BLOCKS_ROWS + 1, FP8_BLOCKS_ROWS + 2
 AMX_WEIGHT_ONLY_ROWS = FP8_BLOCKS_ROWS + 3
+AMX_STREAMING_ROWS = AMX_WEIGHT_ONLY_ROWS + 1  # + kind - 1, kinds 1-3
 
 # linear_quantw's kinds (kernels/avx2_quant.cpp); int8_w8a8 in an fp32 engine quantizes
 # its activations in Python first (QuantizedLinearMethod._apply_fp32), so it has no step
@@ -269,7 +272,7 @@ class FusedLlamaDecode(_DecodeStep):
         # (then, at FP8_BLOCKS_ROWS, block-scaled fp8's, which streams fewer rows than
         # per-channel fp8: the step reads it for a kind-3 layer whose scale is 2-D; then
         # the rows up to which int4 and block-scaled fp8 run dequantized_linear)
-        self.max_quant_rows = [0] * (AMX_WEIGHT_ONLY_ROWS + 1)
+        self.max_quant_rows = [0] * (AMX_STREAMING_ROWS + 3)
         for scheme, rows in MAX_STREAMING_ROWS.items():
             self.max_quant_rows[KERNEL_KIND[scheme]] = rows
         self.max_quant_rows[KIND_INT8_W8A8] = w8a8_max_kernel_rows(None)
@@ -304,14 +307,12 @@ class FusedLlamaDecode(_DecodeStep):
         self.quant_kinds.append(weights.kind)
         self.quant += [_or(t, none) for t in (weights.scale, weights.zero, weights.wsum)]
         self.quant.append(_or(weights.packed, none))
-        method = linear.quant_method
-        if getattr(method, "amx_op", None) is not None:
-            # a weight-only kind the AMX kernel takes: quant_linear streams fewer rows before
-            # it (kernel_limits.AMX_MAX_STREAMING_ROWS); alike for every layer of a kind but
-            # int4 in groups it does not take, which the step checks for itself and then
-            # hands to dequantized_linear from the AMX limit on
-            self.max_quant_rows[weights.kind] = method.kernel_rows
-            self.max_quant_rows[AMX_WEIGHT_ONLY_ROWS] = method.amx_rows
+        if getattr(linear.quant_method, "amx_op", None) is not None:
+            # the step asks amx_weight_only_supports of each layer itself, as the method
+            # did (kernel_limits.amx_weight_only_takes), and streams fewer rows on those
+            self.max_quant_rows[AMX_WEIGHT_ONLY_ROWS] = linear.quant_method.amx_rows
+            for scheme, rows in AMX_MAX_STREAMING_ROWS.items():
+                self.max_quant_rows[AMX_STREAMING_ROWS + KERNEL_KIND[scheme] - 1] = rows
         if weights.packed is not None and weights.kind == KIND_INT8_W8A8:
             # int8_w8a8's copy: the AMX kernel's or the VNNI GEMM's
             # one threshold serves every layer: use() packs them all alike on a machine

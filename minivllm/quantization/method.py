@@ -280,14 +280,10 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.dequantize_op = kernels.op("dequantize_bf16") if self.op is not None else None
         self.dequantized_op = kernels.op("dequantized_linear") if self.op is not None else None
         self.amx_op, self.amx_rows = None, 0
-        amx = kernels.op("amx_bf16_available")
-        if (
-            self.op is not None
-            and amx is not None
-            and amx()
-            and kernel_limits.amx_weight_only_takes(qw)
-        ):
-            self.amx_op = kernels.op("amx_weight_only_linear")
+        amx, amx_op = kernels.op("amx_bf16_available"), kernels.op("amx_weight_only_linear")
+        takes = amx_op is not None and kernel_limits.amx_weight_only_takes(qw)
+        if self.op is not None and takes and amx is not None and amx():
+            self.amx_op = amx_op
             self.amx_rows = kernel_limits.AMX_WEIGHT_ONLY_MAX_ROWS
         self.backend = "cpu_kernel" if self.op is not None else "torch"
 
