@@ -257,6 +257,8 @@ struct W8A8Gemm {
 
   void run() const {
     const int64_t panels = (N + kPanel - 1) / kPanel;
+    // a multiple of kMaxTileRows, so every tile below starts where xu's layout starts one
+    // and has as many rows as xu gave it
     const int64_t chunk = std::max<int64_t>(kMaxTileRows, kGemmChunkBytes / K / kMaxTileRows * kMaxTileRows);
     for (int64_t c0 = 0; c0 < M; c0 += chunk) {
       const int64_t c1 = std::min(M, c0 + chunk);
@@ -345,7 +347,7 @@ torch::Tensor vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in
   float* s = xs.data_ptr<float>();
   at::parallel_for(0, M, quantize_grain(K), [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
-      // row m is row r of the tile at t0, which has `rows` rows (W8A8Gemm::xu)
+      // row m is row m - t0 of the tile starting at row t0, which has `rows` rows (W8A8Gemm::xu)
       const int64_t t0 = m / kMaxTileRows * kMaxTileRows, rows = std::min<int64_t>(kMaxTileRows, M - t0);
       s[m] = quantize_row(xp + m * K, K, q + t0 * K + 4 * (m - t0), 128, 4 * rows);
     }
