@@ -332,7 +332,10 @@ def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
     quantized activations), so greedy tokens match and prompt logprobs agree to 1e-4.
     Prompts of 7 and 30 tokens put prefill on both of the op's paths."""
     from minivllm import LLM, SamplingParams
+    from minivllm.kernels.isa import cpu_flags
+    from minivllm.quantization.kernel_limits import FP32_VNNI_FLAGS
 
+    fp32_vnni = FP32_VNNI_FLAGS <= cpu_flags()
     model_dir = make_checkpoint("Qwen3ForCausalLM")
     prompts = [[5, 9, 33, 120, 7, 8, 9], list(range(40, 70))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)
@@ -350,6 +353,8 @@ def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
             enable_prefix_caching=False,
         )
         op = "the AVX2 family's linear_quantw" if backend == "cpu_kernel" else "the plain-PyTorch"
+        if backend == "cpu_kernel" and scheme == "int8_w8a8" and fp32_vnni:
+            op = "the AVX2 family's vnni_w8a8_linear"  # AVX-512 CPUs with VNNI (test_avx2_vnni.py)
         logged = rf"{scheme}: \d+ layers on {backend} \({op}.*, as linear_backend_per_quant asks"
         assert re.search(logged, caplog.text), caplog.text
         caplog.clear()

@@ -48,6 +48,8 @@ def get_avx2_kernels() -> ModuleType | None:
             "avx2_decode.cpp",
             "avx2_moe.cpp",
             "moe_routing.cpp",
+            "avx2_vnni.cpp",  # AVX-512 code under its own target, run only where the CPU has it
+            "pack_weights.cpp",
         ),
         _AVX2_FLAGS,
     )

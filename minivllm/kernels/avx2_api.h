@@ -58,3 +58,9 @@ torch::Tensor avx2_decode_layers(torch::Tensor hidden, std::vector<torch::Tensor
                                  torch::Tensor block_tables, torch::Tensor seq_lens, torch::Tensor cos,
                                  torch::Tensor sin, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                  double eps, double scale);
+
+// int8_w8a8 on AVX512-VNNI panels in fp32 engines (avx2_vnni.cpp), and the panels' packer
+// (pack_weights.cpp, shared with the bf16 family)
+torch::Tensor avx2_vnni_w8a8_linear(torch::Tensor x, torch::Tensor packed, int64_t in_features, torch::Tensor scale,
+                                    torch::Tensor wsum, c10::optional<torch::Tensor> bias);
+void pack_vnni_w8a8(torch::Tensor q, torch::Tensor out);

@@ -229,4 +229,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &avx2_rotary_inplace, "neox rotary in place, fp32", nogil);
   m.def("write_kv_cache", &avx2_write_kv_cache, "k, v into a paged fp32 cache", nogil);
   m.def("decode_layers", &avx2_decode_layers, "every decoder layer of a decode step, fp32 (AVX2)", nogil);
+  m.def("vnni_w8a8_linear", &avx2_vnni_w8a8_linear,
+        "int8_w8a8's fp32 x @ W^T + b on pack_vnni_w8a8's panels (AVX512-VNNI; refused without it)", nogil);
+  m.def("pack_vnni_w8a8", &pack_vnni_w8a8, "int8 [N, K] -> packing.pack_vnni_w8a8's panels, into out", nogil);
 }

@@ -9,6 +9,9 @@
 #include <tuple>
 #include <vector>
 
+#include "avx512_int8.h"
+#include "tensor_checks.h"
+
 // AMX tile code compiles only where the compiler has the intrinsics (GCC >= 11); without
 // them amx_*_available() say false and the AVX-512 / oneDNN paths serve.
 #if __has_include(<amxtileintrin.h>)
@@ -32,21 +35,12 @@ inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// acc += a . b, in place: vdpbf16ps (pairs of bf16 products) and vpdpbusd (a's unsigned
-// bytes times b's signed ones, four products a lane). With the intrinsics GCC copied
-// accumulator arrays through other registers every step (on the AMD EPYC Zen 4 the int8
-// GEMM ran at half its rate for the moves); the asm pins each accumulator in its register.
+// acc += a . b, in place: vdpbf16ps (pairs of bf16 products), pinned in its register by
+// the asm as avx512_int8.h's dpbusd is (and why).
 inline __m512 dpbf16(__m512 acc, __m512bh a, __m512bh b) {
   asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
   return acc;
 }
-#pragma GCC push_options
-#pragma GCC target("avx512vnni")
-inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
-  return acc;
-}
-#pragma GCC pop_options
 
 // 16 bf16 values widened to fp32 (exact: bf16 is the top half of an fp32).
 inline __m512 load_bf16x16(const at::BFloat16* p) {
@@ -65,19 +59,7 @@ inline __m512 round_bf16x16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
 }
 
-// int8_w8a8's output scaling, (acc * xs) * scale, rounded after each product as
-// formats.reference_linear does. The rounding-mode forms keep -ffast-math from
-// reassociating it into acc * (xs * scale), which differs in the last bit and, about once
-// in 10^5 outputs, in the bf16 result (quant_w8a8.cpp, amx_w8a8.cpp).
-inline __m512 scale_in_order(__m512 acc, __m512 xs, __m512 scale) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  return _mm512_mul_round_ps(_mm512_mul_round_ps(acc, xs, kNearest), scale, kNearest);
-}
-inline float scale_in_order(float acc, float xs, float scale) {
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  const __m128 a = _mm_mul_round_ss(_mm_set_ss(acc), _mm_set_ss(xs), kNearest);
-  return _mm_cvtss_f32(_mm_mul_round_ss(a, _mm_set_ss(scale), kNearest));
-}
+// scale_in_order (int8_w8a8's output scaling): avx512_int8.h
 
 // Lane i of the result is the sum of the 16 lanes of v[i].
 inline __m512 sum16(const __m512* v) {
@@ -135,12 +117,6 @@ float quantize_row_int8(const at::BFloat16* x, int64_t K, int8_t* q);
 // groups of a multiple of 16 k), 3 fp8_w8a16 (per channel); a NaN's row or group: NaN scale.
 void quantize_weight(torch::Tensor w, int64_t kind, int64_t group_size, torch::Tensor q, torch::Tensor scale,
                      c10::optional<torch::Tensor> zero, c10::optional<torch::Tensor> wsum);
-// `t` is a contiguous `dtype` tensor of `shape`, else `op`'s error naming it.
-inline void check_tensor(const char* op, const torch::Tensor& t, const char* name, at::ScalarType dtype,
-                         const std::vector<int64_t>& shape) {
-  TORCH_CHECK(t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape), op, ": ",
-              name, " must be a contiguous ", c10::toString(dtype), " ", c10::IntArrayRef(shape));
-}
 // The packed copies of quantized weights that the GEMMs read, written into `out`
 // (pack_weights.cpp): packing.pack_vnni_w8a8 [ceil(N / 32), K / 4, 32, 4], pack_amx_w8a8
 // [ceil(N / 32), ceil(K / 64), 2, 16, 64] and pack_vnni_w4a8 (uint8 [ceil(N / 16), K / 8 * 64
@@ -149,10 +125,7 @@ void pack_vnni_w8a8(torch::Tensor q, torch::Tensor out);
 void pack_amx_w8a8(torch::Tensor q, torch::Tensor out);
 void pack_vnni_w4a8(torch::Tensor q, torch::Tensor scale, c10::optional<torch::Tensor> zero, int64_t group_size,
                     torch::Tensor out);
-// parallel_for's grain for quantizing rows of x: they split once a batch holds more than
-// ~8K values, where a thread's share pays for starting it. A decode batch's 16 rows of 1024 had gone to one
-// thread (~0.8 ms of a 57 ms int8_w8a8 step on a 2-core Zen 4, the other thread waiting).
-inline int64_t quantize_grain(int64_t K) { return K >= 8192 ? 1 : 8192 / (K > 0 ? K : 1); }
+// quantize_grain (parallel_for's grain for quantizing rows of x): avx512_int8.h
 // int8_w8a8 on AMX-INT8 (amx_w8a8.cpp) on packing.pack_amx_w8a8's layout.
 bool amx_w8a8_available();
 // AMX-BF16 tiles usable here (CPU, compiler and the kernel's permission); prefill attention's

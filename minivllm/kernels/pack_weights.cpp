@@ -20,7 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#include "kernels.h"
+#include "tensor_checks.h"
 
 namespace {
 

@@ -126,6 +126,9 @@ register_family(
                 "silu_and_mul",
                 "rotary_inplace",
                 "write_kv_cache",
+                # int8_w8a8 on AVX-512 CPUs with VNNI (avx2_vnni.cpp; refused without it)
+                "vnni_w8a8_linear",
+                "pack_vnni_w8a8",
             )
         },
         # its own signature (layers/fused_decode.py's Avx2FusedDecode), not the bf16 step's

@@ -25,6 +25,25 @@ def kernel_supports(scheme: str) -> bool:
     return cpu_has_avx512_bf16() and vnni
 
 
+# what the AVX2 family's VNNI GEMM for fp32 engines needs (kernels/avx2_vnni.cpp)
+FP32_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+
+
+def fp32_vnni_takes(qw: QuantWeights) -> bool:
+    """Whether an fp32 engine runs int8_w8a8 layer `qw` on the AVX2 family's VNNI GEMM
+    (`vnni_w8a8_linear`, fp32 x and y, on pack_vnni_w8a8's panels): an AVX-512 CPU with
+    VNNI but no AVX512-BF16 (Intel Ice Lake, Cascade Lake), whose engine runs in fp32, and
+    K a multiple of 16 (the kernel's quantizer takes 16 values a step)."""
+    from minivllm.kernels.isa import cpu_flags
+
+    return (
+        qw.scheme == "int8_w8a8"
+        and FP32_VNNI_FLAGS <= cpu_flags()
+        and qw.in_features > 0
+        and qw.in_features % 16 == 0
+    )
+
+
 def kernel_supports_shape(scheme: str, in_features: int, group_size: int = 0) -> bool:
     """The bf16 kernels' shape precondition: K a multiple of 32, and for int4 a group size
     that is a multiple of 32 dividing K; fp8 per channel, or block-scaled with groups of a

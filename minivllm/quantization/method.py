@@ -62,6 +62,9 @@ class QuantizedLinearMethod(LinearMethodBase):
         self.quant_weights: formats.QuantWeights | None = None
         self.op = None  # the compiled quant_linear, where used
         self.fp32_op = None  # the AVX2 family's linear_quantw, for fp32 engines
+        # int8_w8a8 in an fp32 engine on AVX512-VNNI: the AVX2 family's vnni_w8a8_linear,
+        # which then runs every call on its packed panels (kernel_limits.fp32_vnni_takes)
+        self.fp32_vnni_op = None
         self._unit_scale: torch.Tensor | None = None  # int8_w8a8 there: ones, per channel
         # our GEMM on the prepacked copy: int8_w8a8's past a few rows, int4_w4a8's always
         self.packed_op = None
@@ -160,6 +163,7 @@ class QuantizedLinearMethod(LinearMethodBase):
         kernels: Kernels,
         mapped_packed: torch.Tensor | None = None,
         huge_pages_copy: bool = True,
+        fp32_vnni: bool = True,
     ) -> None:
         """Apply `qw` from now on: choose the op, and give int8_w8a8 on the kernels its
         prepacked copy for large batches (our AMX kernel's layout where the CPU has
@@ -168,8 +172,11 @@ class QuantizedLinearMethod(LinearMethodBase):
         where its VNNI panels take every batch. `mapped_packed`: that copy as the weight
         cache holds it, taken instead of packing where its shape is right; a layer that
         needs rows (the reference backend, an embedding table's lookups, another layout)
-        and came without them has them rebuilt from it."""
-        self.choose_backend(qw, kernels)
+        and came without them has them rebuilt from it. `fp32_vnni` False keeps an fp32
+        engine's int8_w8a8 off the VNNI panels, on its rows: a MoE layer's experts, whose
+        one call (moe_quantw) reads the stacked rows; panels would put them back on the
+        per-expert Python loop, which that call replaced (not measured for these panels)."""
+        self.choose_backend(qw, kernels, fp32_vnni)
         layout = None if self.lookup_table else self.packed_layout(qw, kernels)
         if layout is None or not packing.fits(mapped_packed, qw, layout):
             # rows to run or pack from: rebuilt from mapped panels where none came (this
@@ -178,8 +185,10 @@ class QuantizedLinearMethod(LinearMethodBase):
         if layout is not None:
             # the panels serve every call (int8_w8a8's too on VNNI without AMX): no row
             # copy beside them
-            every_call = layout == "w4a8" or (
-                layout == "vnni" and kernel_limits.W8A8_VNNI_MAX_KERNEL_ROWS == 0
+            every_call = (
+                layout == "w4a8"
+                or self.fp32_vnni_op is not None
+                or (layout == "vnni" and kernel_limits.W8A8_VNNI_MAX_KERNEL_ROWS == 0)
             )
             # int4_w4a8's panels, streamed at every decode step, are packed on huge pages
             # (~1.08x, docs/performance.md item 21). int8_w8a8's stay on small pages: on
@@ -189,7 +198,7 @@ class QuantizedLinearMethod(LinearMethodBase):
             packing.prepack(qw, layout, mapped_packed, arena and arena.empty, kernels.op)
             if every_call:
                 qw = packing.drop_rows(qw)
-            self.packed_op = kernels.op(
+            self.packed_op = self.fp32_vnni_op or kernels.op(
                 "int4_w4a8_packed_linear" if layout == "w4a8" else "w8a8_packed_linear"
             )
         self.kernel_rows = kernel_limits.max_kernel_rows(qw, amx=self.amx_op is not None)
@@ -199,6 +208,8 @@ class QuantizedLinearMethod(LinearMethodBase):
     def packed_layout(self, qw: formats.QuantWeights, kernels: Kernels) -> str | None:
         """The layout of the prepacked copy `use` gives `qw` (`packing.packed_shape`'s), or
         None where its op reads none; after `choose_backend`."""
+        if self.fp32_vnni_op is not None:
+            return "vnni"
         if self.op is None or qw.scheme not in ("int8_w8a8", "int4_w4a8"):
             return None
         if qw.scheme == "int4_w4a8":
@@ -219,6 +230,11 @@ class QuantizedLinearMethod(LinearMethodBase):
     @property
     def op_name(self) -> str:
         """What runs `apply`, in words, for the log."""
+        if self.fp32_vnni_op is not None:
+            return (
+                "cpu_kernel (the AVX2 family's vnni_w8a8_linear: int8 activations on "
+                "AVX512-VNNI, float32 in and out)"
+            )
         if self.fp32_op is not None:
             return "cpu_kernel (the AVX2 family's linear_quantw, float32 activations)"
         if self.op is not None and self.spec.scheme == "int4_w4a8":
@@ -233,10 +249,13 @@ class QuantizedLinearMethod(LinearMethodBase):
     def group_size(self) -> int:
         return self.spec.group_size if self.spec.scheme in formats.INT4_SCHEMES else 0
 
-    def choose_backend(self, qw: formats.QuantWeights, kernels: Kernels) -> None:
+    def choose_backend(
+        self, qw: formats.QuantWeights, kernels: Kernels, fp32_vnni: bool = True
+    ) -> None:
         # an fp32 engine on the AVX2 family: the rows are decoded in registers and
         # multiplied in fp32 (int8_w8a8: on its quantized activations, `_apply_fp32`)
         fp32_op = kernels.op("linear_quantw")
+        self.fp32_vnni_op = None
         cpu = kernels.key is not None and kernels.key.device == "cpu"
         borrow = (
             qw.scheme == "int4_w4a8"
@@ -261,6 +280,9 @@ class QuantizedLinearMethod(LinearMethodBase):
             fp32_op = None if avx2 is None else avx2.linear_quantw
         if fp32_op is not None and self.requested_backend != "torch":
             self.fp32_op, self.op = fp32_op, None
+            fp32_engine = kernels.key is not None and kernels.key.dtype == torch.float32
+            if fp32_vnni and fp32_engine and kernel_limits.fp32_vnni_takes(qw):
+                self.fp32_vnni_op = kernels.op("vnni_w8a8_linear")
             self.backend = "cpu_kernel"
             return
         op = kernels.op("quant_linear")
@@ -317,12 +339,15 @@ class QuantizedLinearMethod(LinearMethodBase):
     def _apply_fp32(
         self, rows: torch.Tensor, qw: formats.QuantWeights, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """The AVX2 op in an fp32 engine. int8_w8a8 has no int8 arithmetic there (AVX2 has
-        no VNNI): its activations are quantized per token as the scheme says, and the
-        integers multiplied in fp32, which holds their products and (below 2^24) their
-        sums exactly: y = ((xq q^T) * xs[m]) * scale[n] (+ bias), the reference's numbers."""
+        """The AVX2 family's op in an fp32 engine. int8_w8a8 runs its VNNI GEMM where the
+        CPU has AVX512-VNNI; without it there is no int8 arithmetic (AVX2 has no VNNI): the
+        activations are quantized per token as the scheme says, and the integers multiplied
+        in fp32, which holds their products and (below 2^24) their sums exactly:
+        y = ((xq q^T) * xs[m]) * scale[n] (+ bias), the reference's numbers either way."""
         if qw.scheme != "int8_w8a8":
             return self.fp32_op(rows, qw.kind, qw.weight, qw.scale, qw.zero, qw.group_size, bias)
+        if self.fp32_vnni_op is not None:  # every batch, on the panels (AVX512-VNNI)
+            return self.fp32_vnni_op(rows, qw.packed, qw.in_features, qw.scale, qw.wsum, bias)
         xq, xs = formats.quantize_per_token(rows)
         if self._unit_scale is None or self._unit_scale.numel() != qw.out_features:
             self._unit_scale = torch.ones(qw.out_features)

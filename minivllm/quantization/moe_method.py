@@ -190,7 +190,8 @@ class QuantizedMoEMethod:
                 )
                 method = QuantizedLinearMethod(self.spec, self.requested_backend, self.source)
                 method.dtype = self.dtype
-                method.use(view, kernels, None if mapped is None else mapped[e], False)
+                # fp32 engines: the experts' one call reads their stacked rows
+                method.use(view, kernels, None if mapped is None else mapped[e], False, False)
                 self.experts[part].append(method)
             self.stacked[part] = stacked
             self._stack_packed(layer, part, mapped)
