@@ -62,13 +62,19 @@ def main() -> None:
     if ops is None or not kernel_limits.kernel_supports("int8_w8a8"):
         raise SystemExit("this machine has no AVX512-VNNI (or no AVX512-BF16 kernels)")
     amx = ops.amx_w8a8_available()
-    print(f"{cpu_model()} [{isa_summary()}], {args.threads} threads; median ms per call")
     shown = [c for c in COLUMNS if amx or c != "AMX"]
-    print("rows  N x K       | " + " | ".join(shown) + " | best int8 vs bf16")
+    print_table(args, shown, "best int8 vs bf16", lambda *shape: measure(ops, *shape, amx))
+
+
+def print_table(args: argparse.Namespace, shown: list[str], ratio: str, measure_one) -> None:
+    """One line per rows and shape: `measure_one(rows, n, k, reps)`'s ms per column, and
+    the first column's time over the fastest of the others."""
+    print(f"{cpu_model()} [{isa_summary()}], {args.threads} threads; median ms per call")
+    print("rows  N x K       | " + " | ".join(shown) + f" | {ratio}")
     torch.manual_seed(0)
     for rows in args.rows:
         for n, k in SHAPES:
-            times = measure(ops, rows, n, k, args.reps, amx)
+            times = measure_one(rows, n, k, args.reps)
             cells = " | ".join(f"{t:{len(c)}.3f}" for t, c in zip(times, shown))
             print(f"{rows:<5} {n:>4} x {k:<5} | {cells} | {times[0] / min(times[1:]):.2f}x")
 
@@ -79,14 +85,9 @@ def main_fp32(args: argparse.Namespace) -> None:
         raise SystemExit("this machine has no AVX2 + FMA (the AVX2 kernel family)")
     vnni = kernel_limits.FP32_VNNI_FLAGS <= cpu_flags()
     shown = [c for c in FP32_COLUMNS if vnni or c != "VNNI GEMM fp32"]
-    print(f"{cpu_model()} [{isa_summary()}], {args.threads} threads; median ms per call")
-    print("rows  N x K       | " + " | ".join(shown) + " | best w8a8 vs bf16 panels")
-    torch.manual_seed(0)
-    for rows in args.rows:
-        for n, k in SHAPES:
-            times = measure_fp32(ops, rows, n, k, args.reps, vnni)
-            cells = " | ".join(f"{t:{len(c)}.3f}" for t, c in zip(times, shown))
-            print(f"{rows:<5} {n:>4} x {k:<5} | {cells} | {times[0] / min(times[1:]):.2f}x")
+    print_table(
+        args, shown, "best w8a8 vs bf16 panels", lambda *shape: measure_fp32(ops, *shape, vnni)
+    )
 
 
 def measure_fp32(ops, rows: int, n: int, k: int, reps: int, vnni: bool) -> list[float]:

@@ -78,8 +78,9 @@ def test_the_compiled_packer_writes_packings_layout(avx2):
     packing.pack_vnni_w8a8, which defines the layout, byte for byte."""
     q = torch.randint(-128, 128, (70, 96), generator=torch.Generator().manual_seed(3))
     q = q.to(torch.int8)
-    out = torch.empty(packing.packed_shape(formats.from_int8_values(q, torch.ones(70)), "vnni"),
-                      dtype=torch.int8)
+    out = torch.empty(
+        packing.packed_shape(formats.from_int8_values(q, torch.ones(70)), "vnni"), dtype=torch.int8
+    )
     avx2.pack_vnni_w8a8(q, out)
     assert torch.equal(out, packing.pack_vnni_w8a8(q))
 
@@ -154,8 +155,9 @@ def test_fp32_engine_runs_int8_w8a8_on_the_vnni_gemm(make_checkpoint, caplog):
         max_model_len=128,
         enable_prefix_caching=False,
     )
-    assert re.search(r"int8_w8a8: \d+ layers on cpu_kernel \(the AVX2 family's vnni_w8a8_linear",
-                     caplog.text), caplog.text
+    assert re.search(
+        r"int8_w8a8: \d+ layers on cpu_kernel \(the AVX2 family's vnni_w8a8_linear", caplog.text
+    ), caplog.text
     down = llm.llm_engine.executor.runner.model.model.layers[0].mlp.down_proj
     qw = down.quant_method.quant_weights
     assert qw.packed is not None and not qw.has_rows
