@@ -2,7 +2,9 @@
 against the bf16 weight panels an unquantized fp32 engine runs, over the Qwen3-0.6B
 shape's linears (qkv, o, gate_up, down: the whole of one layer) and its LM head, with the
 weights streamed from memory (each rep cycles through enough copies to overflow the
-caches). Prints milliseconds per layer and, at one row, the weight bytes' rate.
+caches). Prints milliseconds per layer and, at one row, the weight bytes' rate. On
+AVX-512 CPUs with VNNI, int8 and int4 run twice: as the engine does (`avx512_quantw.cpp`'s
+form up to 8 rows) and with that form switched off ("avx2": the AVX2 form it replaces).
 
     python benchmarks/avx2_quant.py                 # on any AVX2 CPU
     python benchmarks/avx2_quant.py --rows 1 8 32   # other row counts
@@ -16,7 +18,7 @@ import time
 import torch
 
 from minivllm.kernels import get_avx2_kernels
-from minivllm.kernels.isa import cpu_model, isa_summary
+from minivllm.kernels.isa import AVX512_VNNI_FLAGS, cpu_flags, cpu_model, isa_summary
 from minivllm.layers.panel_linear import pack_panels
 from minivllm.quantization import formats
 
@@ -42,19 +44,20 @@ def variants(ops, shapes, gen, copies):
         ],
         sum(p.numel() * 2 for p in panels[0]),
     )
-    for label, scheme in [
-        ("int8", "int8_w8a16"),
-        ("int4 g128", "int4_w4a16"),
-        ("fp8", "fp8_w8a16"),
-        ("int4 g128 w4a8", "int4_w4a8"),
-    ]:
+    schemes = [
+        ("int8", "int8_w8a16", None),
+        ("int4 g128", "int4_w4a16", None),
+        ("fp8", "fp8_w8a16", None),
+        ("int4 g128 w4a8", "int4_w4a8", None),
+    ]
+    if AVX512_VNNI_FLAGS <= cpu_flags():  # the AVX-512 form beside the AVX2 one it replaces
+        schemes[2:2] = [("int8 avx2", "int8_w8a16", False), ("int4 avx2", "int4_w4a16", False)]
+    for label, scheme, avx512 in schemes:
         qws = [[formats.quantize(w, scheme) for w in copy] for copy in weights]
         out[label] = (
             [
                 [
-                    lambda x, q=q: ops.linear_quantw(
-                        x[q.in_features], q.kind, q.weight, q.scale, q.zero, q.group_size, None
-                    )
+                    lambda x, q=q, avx512=avx512: _quantw(ops, q, x[q.in_features], avx512)
                     for q in copy
                 ]
                 for copy in qws
@@ -62,6 +65,16 @@ def variants(ops, shapes, gen, copies):
             sum(q.weight.numel() + q.scale.numel() * 4 for q in qws[0]),
         )
     return out
+
+
+def _quantw(ops, q, x, avx512: bool | None):
+    """linear_quantw on q, with the AVX-512 form switched as `avx512` says (None: as is)."""
+    before = None if avx512 is None else ops.set_quantw_avx512(avx512)
+    try:
+        return ops.linear_quantw(x, q.kind, q.weight, q.scale, q.zero, q.group_size, None)
+    finally:
+        if before is not None:
+            ops.set_quantw_avx512(before)
 
 
 def per_call_ms(calls, x, reps: int) -> float:

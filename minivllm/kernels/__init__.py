@@ -17,7 +17,7 @@ import os
 from functools import cache
 from types import ModuleType
 
-from minivllm.kernels.isa import cpu_flags, cpu_has_avx512_bf16
+from minivllm.kernels.isa import AVX512_VNNI_FLAGS, cpu_flags, cpu_has_avx512_bf16
 from minivllm.utils.paths import cache_dir
 
 logger = logging.getLogger("minivllm")
@@ -37,7 +37,7 @@ def get_avx2_kernels() -> ModuleType | None:
     """The fp32 AVX2 + FMA (+ F16C) family (avx2_*.cpp), for CPUs without AVX-512."""
     if not {"avx2", "fma", "f16c"} <= cpu_flags():
         return None
-    return _build_family(
+    module = _build_family(
         "minivllm_cpu_kernels_avx2",
         "avx2",
         (
@@ -48,11 +48,16 @@ def get_avx2_kernels() -> ModuleType | None:
             "avx2_decode.cpp",
             "avx2_moe.cpp",
             "moe_routing.cpp",
-            "avx2_vnni.cpp",  # AVX-512 code under its own target, run only where the CPU has it
+            # AVX-512 code under its own target, run only where the CPU has it
+            "avx2_vnni.cpp",
+            "avx512_quantw.cpp",
             "pack_weights.cpp",
         ),
         _AVX2_FLAGS,
     )
+    if module is not None:  # linear_quantw's AVX-512 form where cpu_flags() (the cap) allows
+        module.set_quantw_avx512(AVX512_VNNI_FLAGS <= cpu_flags())
+    return module
 
 
 @cache

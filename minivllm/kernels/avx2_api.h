@@ -37,6 +37,10 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
                                  c10::optional<torch::Tensor> zero, int64_t group_size,
                                  c10::optional<torch::Tensor> bias);
 
+// linear_quantw's AVX-512 form of int8/int4 rows (avx512_quantw.cpp) on or off: returns
+// the previous state, refuses `on` where the CPU lacks AVX-512 F/BW/VL or VNNI
+bool avx2_set_quantw_avx512(bool on);
+
 torch::Tensor avx2_moe_quantw(torch::Tensor x, torch::Tensor topk_weights, torch::Tensor topk_ids,
                               int64_t num_experts, int64_t kind, int64_t group_size, torch::Tensor w13,
                               torch::Tensor s13, c10::optional<torch::Tensor> z13, torch::Tensor w2,

@@ -232,4 +232,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni_w8a8_linear", &avx2_vnni_w8a8_linear,
         "int8_w8a8's fp32 x @ W^T + b on pack_vnni_w8a8's panels (AVX512-VNNI; refused without it)", nogil);
   m.def("pack_vnni_w8a8", &pack_vnni_w8a8, "int8 [N, K] -> packing.pack_vnni_w8a8's panels, into out", nogil);
+  m.def("set_quantw_avx512", &avx2_set_quantw_avx512,
+        "switch linear_quantw's AVX-512 form of int8/int4 rows on or off; returns the previous state", nogil);
 }

@@ -14,6 +14,11 @@ from functools import cache
 # the caps MINIVLLM_CPU_ISA takes: a flag survives the cap when it starts with none of these
 _CAPPED_PREFIXES = {"avx2": ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")}
 
+# what the fp32 (AVX2) family's AVX-512 code needs: int8_w8a8's VNNI GEMM (avx2_vnni.cpp)
+# and the int8/int4 rows' AVX-512 form (avx512_quantw.cpp), for AVX-512 CPUs without
+# AVX512-BF16 (Intel Ice Lake, Cascade Lake)
+AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+
 # the extensions minivllm's kernels or its start-up log care about
 _REPORTED = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16", "amx_tile")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from minivllm.kernels.isa import AVX512_VNNI_FLAGS
 from minivllm.quantization.config import INT4_SCHEMES, SCHEMES
 from minivllm.quantization.formats import QuantWeights, divides
 
@@ -26,7 +27,7 @@ def kernel_supports(scheme: str) -> bool:
 
 
 # what the AVX2 family's VNNI GEMM for fp32 engines needs (kernels/avx2_vnni.cpp)
-FP32_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+FP32_VNNI_FLAGS = AVX512_VNNI_FLAGS
 
 
 def fp32_vnni_takes(qw: QuantWeights) -> bool:
