@@ -10,7 +10,8 @@ panel form (past 8 rows) rounds (q - z) * s once and sums in the panel GEMM. The
 covers all of these: (2 K + 8) 2^-24 sum_k |x_k| (|q_k| + |z|) s, plus 2^-23 of the
 result and the bias.
 
-Up to 8 rows int8 and int4 take the integer form: x is rounded to int16 in blocks with a
+Up to 8 rows int8 and int4 take the integer form (int8 up to 64 on AVX-512 CPUs with VNNI,
+`kernels/avx512_quantw.cpp`): x is rounded to int16 in blocks with a
 power-of-two scale s_b < 2 amax_b / 32767 (at least 2^-126), so each x_k moves by at most
 s_b / 2 < max(amax / 32767, 2^-127) (amax: the row's largest |x|), and the result by at
 most that times sum_k |v_k| more; its integer sums are exact, and their conversions and
@@ -28,6 +29,16 @@ from minivllm.quantization import formats
 from tests.conftest import needs_avx2
 
 
+def _integer_form(scheme: str, m: int) -> bool:
+    """Whether linear_quantw multiplies m rows of x rounded to int16: int8 and int4 up to 8
+    rows; on AVX-512 CPUs with VNNI (avx512_quantw.cpp, on at load) int8 up to 64."""
+    from minivllm.kernels.isa import AVX512_VNNI_FLAGS, cpu_flags
+
+    if scheme == "int8_w8a16" and AVX512_VNNI_FLAGS <= cpu_flags():
+        return m <= 64
+    return scheme in ("int8_w8a16", "int4_w4a16") and m <= 8
+
+
 def _bound(x: torch.Tensor, qw: formats.QuantWeights, ref: torch.Tensor, bias: torch.Tensor):
     """The docstring's bound, per output, in float64."""
     k = qw.in_features
@@ -40,7 +51,7 @@ def _bound(x: torch.Tensor, qw: formats.QuantWeights, ref: torch.Tensor, bias: t
         magnitude = formats.dequantize(qw).double().abs()
     sums = x.double().abs() @ magnitude.T
     bound = (2 * k + 8) * 2.0**-24 * sums + 2.0**-23 * (ref.abs() + bias.double().abs())
-    if qw.scheme in ("int8_w8a16", "int4_w4a16") and x.shape[0] <= 8:  # the integer form
+    if _integer_form(qw.scheme, x.shape[0]):
         amax = x.double().abs().amax(dim=1, keepdim=True)
         moved = (amax / 32767).clamp(min=2.0**-127)
         bound = bound + moved * formats.dequantize(qw).double().abs().sum(1)
@@ -329,7 +340,8 @@ def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
 ):
     """Every scheme in an fp32 engine: the AVX2 op, not the reference that dequantizes every
     weight at every call; both compute in fp32 on the same numbers (int8_w8a8: the same
-    quantized activations), so greedy tokens match and prompt logprobs agree to 1e-4.
+    quantized activations), so greedy tokens match and prompt logprobs agree to 1e-4 (1e-3
+    where the integer form rounds x to int16).
     Prompts of 7 and 30 tokens put prefill on both of the op's paths."""
     from minivllm import LLM, SamplingParams
     from minivllm.kernels.isa import cpu_flags
@@ -363,6 +375,11 @@ def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
         assert down.quant_method.backend == backend
         assert (down.quant_method.fp32_op is not None) == (backend == "cpu_kernel")
         runs[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    # the prefill's 37 rows in the integer form (int8 on AVX512-VNNI CPUs) round x to int16
+    # at each linear, 2^-16 of a 128-k block's largest value: on this tiny random model
+    # that moved a logprob by up to 2.1e-4 (2026-12-08), against ~1e-2 for bf16
+    # activations; elsewhere both sides compute in fp32 and differ by summation order
+    tolerance = 1e-3 if _integer_form(scheme, sum(map(len, prompts))) else 1e-4
     for ours, ref in zip(runs["cpu_kernel"], runs["torch"], strict=True):
         assert ours.outputs[0].token_ids == ref.outputs[0].token_ids
         for pos in range(1, len(ours.prompt_token_ids)):
@@ -370,4 +387,4 @@ def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
             diff = (
                 ours.prompt_logprobs[pos][token].logprob - ref.prompt_logprobs[pos][token].logprob
             )
-            assert abs(diff) < 1e-4, (pos, diff)
+            assert abs(diff) < tolerance, (pos, diff)

@@ -82,6 +82,20 @@ def test_avx512_form_matches_float64_and_the_avx2_form(avx2, scheme, group, symm
     assert not torch.equal(fast, torch.zeros_like(fast))
 
 
+@pytest.mark.parametrize("k", [1024, 1000])
+@pytest.mark.parametrize("m", [9, 16, 40, 64])
+def test_avx512_int8_batches_match_float64(avx2, k, m):
+    """int8 up to 64 rows in the AVX-512 form (4 x 2 tiles and their edges), against the
+    float64 product (the AVX2 family multiplies these batches on fp32 panels instead,
+    with other roundings, so it is no second oracle here)."""
+    gen = torch.Generator().manual_seed(m + k)
+    qw = formats.quantize(torch.randn(70, k, generator=gen), "int8_w8a16")
+    x = torch.randn(m, k, generator=gen)
+    y = _run(avx2, qw, x, True)
+    ref = x.double() @ formats.dequantize(qw).double().T
+    assert ((y.double() - ref).abs() <= _bound(x, qw, ref, torch.zeros(70))).all()
+
+
 @pytest.mark.parametrize("weight,symmetric", [(1.0, True), (1.0, False), (-1.0, False)])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_avx512_int4_sums_hold_the_largest_group(avx2, weight, symmetric, sign):

@@ -597,7 +597,9 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
              M, K, N, weight.size(1), groups, G, int4};
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  if (kind == KIND_INT4_A8 && M <= REGISTER_MAX_ROWS && G % 64 == 0) {
+  if ((kind == KIND_INT8 || kind == KIND_INT4) && avx512_quantw_takes(o, int4)) {
+    avx512_quantw_product(o, int4, y.data_ptr<float>());
+  } else if (kind == KIND_INT4_A8 && M <= REGISTER_MAX_ROWS && G % 64 == 0) {
     int8x_product(o, y.data_ptr<float>());
   } else if ((M > REGISTER_MAX_ROWS && K % 8 == 0) || kind == KIND_INT4_A8) {  // int4: K % 32 == 0
     const int64_t ldy = (N + avx2_gemm::PANEL - 1) / avx2_gemm::PANEL * avx2_gemm::PANEL;
@@ -615,8 +617,6 @@ torch::Tensor avx2_linear_quantw(torch::Tensor x, int64_t kind, torch::Tensor we
       panel_product<Int8Unit>(o, x.data_ptr<float>(), ypad.data_ptr<float>(), ldy);
     }
     if (ldy != N) y.copy_(ypad.narrow(1, 0, N));
-  } else if ((kind == KIND_INT8 || kind == KIND_INT4) && avx512_quantw_takes(o, int4)) {
-    avx512_quantw_product(o, int4, y.data_ptr<float>());
   } else if (int4 && G % 64 == 0 && G <= WORDS_MAX_GROUP) {
     int16_product<Int4Words>(o, y.data_ptr<float>());
   } else if (int4 && G % 64 == 0) {

@@ -35,13 +35,22 @@ using namespace avx2_quant;
 
 std::atomic<bool> enabled{false};
 
+// Rows up to which the form runs, past which the AVX2 family's panel form (fp32 panels
+// dequantized once per call, FMAs) takes over. Measured per call on a 2-core Ice Lake Xeon,
+// the 0.6B layer, ratio to the bf16 panels, this form / the panel form
+// (python benchmarks/avx2_quant.py --rows 8 16 32 64, 2026-12-08): int8 2.2 / 1.0 at 8
+// rows, 1.8 / 1.0 at 16, 1.4 / 0.9 at 32, 1.0 / 1.0 at 64; int4 1.3 / 1.1 at 8 rows (there
+// the AVX2 register form), 1.0 / 1.0 at 16, 0.8 / 0.9 at 32 (its 2 x 2 tiles decode each
+// weight once per two rows).
+constexpr int64_t INT8_MAX_ROWS = 64, INT4_MAX_ROWS = 8;
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")
 
 // acc += a . b in int32 pairs, vpdpwssd. As dpbusd (avx512_int8.h): the asm keeps each
-// accumulator in its register, b may be a memory operand.
+// accumulator in its register; b in a register too (see tile).
 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
-  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "vm"(b));
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
   return acc;
 }
 
@@ -91,19 +100,23 @@ inline void tile(const Operands& o, const XInt16& xq, int64_t m0, int64_t n0, fl
     for (int m = 0; m < MR; ++m)
       for (int r = 0; r < R; ++r) acc[m][r] = acc16[m][r] = _mm512_setzero_si512();
     const int64_t k0 = b * xq.block, k1 = std::min(k0 + xq.block, xq.kv);
-    for (int64_t k = k0; k < k1; k += U::kK) {
-      const int64_t at = k / U::kK * U::kBytes;
+    // every weight row's unit decoded first, then each x vector loaded once into a
+    // register for all R rows: with x as a memory operand of each vpdpwssd the loads,
+    // not the multiply-adds, set the pace (4 x 2 tiles in L1: 54 against 84 G MAC/s)
+    for (int64_t k = k0, at = k0 / U::kK * U::kBytes; k < k1; k += U::kK, at += U::kBytes) {
       for (int64_t line = 0; line < U::kBytes * R; line += 64) prefetch_ahead(o, next + at * R + line, end);
-      for (int r = 0; r < R; ++r) {
-        __m512i w[kVec];
-        U::int16(rows + r * o.row_bytes + at, w);
-        for (int m = 0; m < MR; ++m) {
-          const int16_t* xk = xrows + m * xq.kv + k;
-          acc[m][r] = dpwssd(acc[m][r], w[0], _mm512_loadu_si512(xk));
-          if constexpr (U::kInt4) {
-            acc[m][r] = dpwssd(acc[m][r], w[3], _mm512_loadu_si512(xk + 96));
-            acc16[m][r] = dpwssd(acc16[m][r], w[1], _mm512_loadu_si512(xk + 32));
-            acc16[m][r] = dpwssd(acc16[m][r], w[2], _mm512_loadu_si512(xk + 64));
+      __m512i w[R][kVec];
+      for (int r = 0; r < R; ++r) U::int16(rows + r * o.row_bytes + at, w[r]);
+      for (int m = 0; m < MR; ++m) {
+        const int16_t* xk = xrows + m * xq.kv + k;
+        for (int v = 0; v < kVec; ++v) {
+          const __m512i xv = _mm512_loadu_si512(xk + 32 * v);
+          for (int r = 0; r < R; ++r) {
+            if (v == 1 || v == 2) {  // Int4Words512's sixteen-times vectors
+              acc16[m][r] = dpwssd(acc16[m][r], w[r][v], xv);
+            } else {
+              acc[m][r] = dpwssd(acc[m][r], w[r][v], xv);
+            }
           }
         }
       }
@@ -139,7 +152,10 @@ inline void tile(const Operands& o, const XInt16& xq, int64_t m0, int64_t n0, fl
 template <class U>
 void product(const Operands& o, float* y) {
   const XInt16 xq(o.x, o.M, o.K, U::kInt4 ? o.group_k : INT8_X_BLOCK, U::kInt4 ? XOrder::words512 : XOrder::natural);
-  register_product<4, 2>(o, [&](int64_t m, int64_t n, auto mr, auto r) {
+  // int8: 4 x 2 tiles (8 accumulators, 8 running sums); int4 holds twice the
+  // accumulators and four vectors a weight row: 2 x 2 (both: 1 x 4 at one row)
+  constexpr int MR = U::kInt4 ? 2 : 4;
+  register_product<MR, 2>(o, [&](int64_t m, int64_t n, auto mr, auto r) {
     tile<U, decltype(mr)::value, decltype(r)::value>(o, xq, m, n, y);
   });
 }
@@ -151,7 +167,7 @@ void product(const Operands& o, float* y) {
 namespace avx2_quant {
 
 bool avx512_quantw_takes(const Operands& o, bool int4) {
-  if (!enabled.load(std::memory_order_relaxed)) return false;
+  if (!enabled.load(std::memory_order_relaxed) || o.M > (int4 ? INT4_MAX_ROWS : INT8_MAX_ROWS)) return false;
   return !int4 || (o.group_k % 128 == 0 && o.group_k <= WORDS_MAX_GROUP);
 }
 
