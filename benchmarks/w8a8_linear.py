@@ -25,7 +25,7 @@ import time
 import torch
 
 from minivllm.kernels import get_avx2_kernels, get_cpu_kernels
-from minivllm.kernels.isa import cpu_flags, cpu_model, isa_summary
+from minivllm.kernels.isa import AVX512_VNNI_FLAGS, cpu_flags, cpu_model, isa_summary
 from minivllm.layers.cpu_linear import PACK_BATCH_HINT
 from minivllm.layers.panel_linear import pack_panels
 from minivllm.quantization import formats, kernel_limits, packing
@@ -83,7 +83,7 @@ def main_fp32(args: argparse.Namespace) -> None:
     ops = get_avx2_kernels()
     if ops is None:
         raise SystemExit("this machine has no AVX2 + FMA (the AVX2 kernel family)")
-    vnni = kernel_limits.FP32_VNNI_FLAGS <= cpu_flags()
+    vnni = AVX512_VNNI_FLAGS <= cpu_flags()
     shown = [c for c in FP32_COLUMNS if vnni or c != "VNNI GEMM fp32"]
     print_table(
         args, shown, "best w8a8 vs bf16 panels", lambda *shape: measure_fp32(ops, *shape, vnni)

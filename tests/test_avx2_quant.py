@@ -344,10 +344,9 @@ def test_quantized_fp32_engine_runs_the_avx2_op_and_agrees_with_the_reference(
     where the integer form rounds x to int16).
     Prompts of 7 and 30 tokens put prefill on both of the op's paths."""
     from minivllm import LLM, SamplingParams
-    from minivllm.kernels.isa import cpu_flags
-    from minivllm.quantization.kernel_limits import FP32_VNNI_FLAGS
+    from minivllm.kernels.isa import AVX512_VNNI_FLAGS, cpu_flags
 
-    fp32_vnni = FP32_VNNI_FLAGS <= cpu_flags()
+    fp32_vnni = AVX512_VNNI_FLAGS <= cpu_flags()
     model_dir = make_checkpoint("Qwen3ForCausalLM")
     prompts = [[5, 9, 33, 120, 7, 8, 9], list(range(40, 70))]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0)

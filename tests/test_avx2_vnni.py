@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.kernels.isa import cpu_flags
+from minivllm.kernels.isa import AVX512_VNNI_FLAGS, cpu_flags
 from minivllm.quantization import formats, kernel_limits, packing
 from tests.conftest import needs_avx2
 
 needs_fp32_vnni = pytest.mark.skipif(
-    not kernel_limits.FP32_VNNI_FLAGS <= cpu_flags(), reason="CPU lacks AVX512-VNNI"
+    not AVX512_VNNI_FLAGS <= cpu_flags(), reason="CPU lacks AVX512-VNNI"
 )
 
 
@@ -117,7 +117,7 @@ def test_fp32_vnni_is_offered_only_where_the_cpu_has_it(monkeypatch):
     from minivllm.kernels import isa
 
     qw = _layer(32, 64, 0)
-    has = kernel_limits.FP32_VNNI_FLAGS <= isa.cpu_flags()
+    has = AVX512_VNNI_FLAGS <= isa.cpu_flags()
     assert kernel_limits.fp32_vnni_takes(qw) == has
     odd = formats.quantize(torch.randn(32, 40), "int8_w8a8")
     assert not kernel_limits.fp32_vnni_takes(odd)

@@ -26,10 +26,6 @@ def kernel_supports(scheme: str) -> bool:
     return cpu_has_avx512_bf16() and vnni
 
 
-# what the AVX2 family's VNNI GEMM for fp32 engines needs (kernels/avx2_vnni.cpp)
-FP32_VNNI_FLAGS = AVX512_VNNI_FLAGS
-
-
 def fp32_vnni_takes(qw: QuantWeights) -> bool:
     """Whether an fp32 engine runs int8_w8a8 layer `qw` on the AVX2 family's VNNI GEMM
     (`vnni_w8a8_linear`, fp32 x and y, on pack_vnni_w8a8's panels): an AVX-512 CPU with
@@ -39,7 +35,7 @@ def fp32_vnni_takes(qw: QuantWeights) -> bool:
 
     return (
         qw.scheme == "int8_w8a8"
-        and FP32_VNNI_FLAGS <= cpu_flags()
+        and AVX512_VNNI_FLAGS <= cpu_flags()
         and qw.in_features > 0
         and qw.in_features % 16 == 0
     )
